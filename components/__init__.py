@@ -1,0 +1,31 @@
+"""Copy-correct training components and the probes that prove their copy behaviour.
+
+Probes (usable on any PyTorch code):
+    CopyAudit          every op that allocates storage or writes in place, with bytes
+    MemoryProbe        peak / net bytes of a block, CUDA allocator or CPU live-storage ledger
+    find_graph_refs    paths of tensors that keep an autograd graph alive
+    shares_storage     storage-level aliasing (not ``data_ptr()`` equality)
+
+Lightning callbacks:
+    GraphRetentionGuard  fails a run the step a graph leaks into outputs, attributes or metric states
+    RunSummary           writes ``summary.json`` (final metrics, recipe, seed) into the run directory
+"""
+
+from components.copy_audit import CopyAudit, TensorEvent
+from components.graph_guard import GraphRetentionError, GraphRetentionGuard
+from components.graph_refs import find_graph_refs
+from components.memory_probe import MemoryProbe
+from components.run_summary import RunSummary
+from components.storage import shares_storage, storage_key
+
+__all__ = [
+    "CopyAudit",
+    "GraphRetentionError",
+    "GraphRetentionGuard",
+    "MemoryProbe",
+    "RunSummary",
+    "TensorEvent",
+    "find_graph_refs",
+    "shares_storage",
+    "storage_key",
+]

@@ -1,0 +1,1 @@
+"""Hydra-configured Lightning recipes, one file each; run one with ``python train.py +recipe=NAME``."""

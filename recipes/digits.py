@@ -1,0 +1,71 @@
+"""The 8x8 handwritten digits that ship inside scikit-learn (1,797 images, 10 classes): no download.
+
+Copy contract: the whole data set is one float32 tensor made once from the NumPy array
+(``torch.from_numpy`` shares its memory); each batch is a new tensor assembled by the DataLoader's
+collate step, so training can never write into the data set.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+from torch.utils.data import DataLoader, TensorDataset
+
+__all__ = ["DigitsDataModule", "load_digits_split"]
+
+
+def load_digits_split(val_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
+    """Stratified train/validation split; pixels scaled to [0, 1], flattened to 64 features."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
+    images, labels = load_digits(return_X_y=True)
+    x_train, x_val, y_train, y_val = train_test_split(
+        (images / 16.0).astype(np.float32),
+        labels.astype(np.int64),
+        test_size=val_fraction,
+        random_state=seed,
+        stratify=labels,
+    )
+    return (
+        TensorDataset(torch.from_numpy(x_train), torch.from_numpy(y_train)),
+        TensorDataset(torch.from_numpy(x_val), torch.from_numpy(y_val)),
+    )
+
+
+class DigitsDataModule(pl.LightningDataModule):
+    """Train and validation loaders over ``load_digits_split``; the training order is seeded."""
+
+    def __init__(self, batch_size: int = 64, val_fraction: float = 0.2, seed: int = 0, num_workers: int = 0) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
+        if num_workers < 0:
+            raise ValueError(f"data.num_workers must be >= 0, got {num_workers}")
+        if not 0.0 < val_fraction < 1.0:
+            raise ValueError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
+        self.batch_size = batch_size
+        self.val_fraction = val_fraction
+        self.seed = seed
+        self.num_workers = num_workers
+
+    def setup(self, stage: str | None = None) -> None:
+        self.train_set, self.val_set = load_digits_split(self.val_fraction, self.seed)
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(self.seed)
+        return self._loader(self.train_set, shuffle=True, generator=generator)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, shuffle=False)
+
+    def _loader(self, dataset: TensorDataset, **kwargs: object) -> DataLoader:
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            num_workers=self.num_workers,
+            persistent_workers=self.num_workers > 0,
+            **kwargs,
+        )
