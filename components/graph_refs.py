@@ -102,7 +102,7 @@ def find_graph_refs(
             elif value._base is not None:
                 queue.append((value._base, f"{path}._base", depth + 1))
             continue
-        if depth >= max_depth or isinstance(value, _LEAF_TYPES) or isinstance(value, skip_types):
+        if depth >= max_depth or isinstance(value, (*_LEAF_TYPES, *skip_types)):
             continue
         for child, child_path in _children(value, path, skip):
             if id(child) not in seen and not isinstance(child, _LEAF_TYPES):
@@ -140,6 +140,6 @@ def _attributes(value: Any, path: str, skip: frozenset[str]) -> Iterator[tuple[A
                 yield child, f"{path}.{key}"
     for cls in type(value).__mro__:
         for slot in getattr(cls, "__slots__", ()):
-            if isinstance(slot, str) and slot not in skip and slot not in ("__dict__", "__weakref__"):
-                if hasattr(value, slot):
-                    yield getattr(value, slot), f"{path}.{slot}"
+            own = isinstance(slot, str) and slot not in skip and slot not in ("__dict__", "__weakref__")
+            if own and hasattr(value, slot):
+                yield getattr(value, slot), f"{path}.{slot}"
