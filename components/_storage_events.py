@@ -189,13 +189,21 @@ class StorageEvents:
             out = func(*args, **kwargs)
         finally:
             self._in_deepcopy -= 1
-        if not self._in_deepcopy and isinstance(out, torch.Tensor):
-            storage = _storage_of(out)
-            source = _storage_of(args[0])
-            new = storage is not None and (source is None or storage._cdata != source._cdata)
-            if new and storage.nbytes():
-                self.on_alloc(self._event("deepcopy", "alloc", out, storage.nbytes()), storage)
+        if self._in_deepcopy or not isinstance(out, torch.Tensor):
+            return out
+        # The copy's own storage, its `.grad` and tensors in its `__dict__` are deep-copied together.
+        sources = {s._cdata for s in map(_storage_of, _tensor_parts(args[0])) if s is not None}
+        for part in _tensor_parts(out):
+            storage = _storage_of(part)
+            if storage is not None and storage._cdata not in sources and storage.nbytes():
+                sources.add(storage._cdata)
+                self.on_alloc(self._event("deepcopy", "alloc", part, storage.nbytes()), storage)
         return out
+
+
+def _tensor_parts(t: torch.Tensor) -> list[torch.Tensor]:
+    extra = [v for v in getattr(t, "__dict__", {}).values() if isinstance(v, torch.Tensor)]
+    return [t, *([t.grad] if t.grad is not None else []), *extra]
 
 
 class _DispatchLayer(TorchDispatchMode):

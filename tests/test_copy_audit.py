@@ -111,3 +111,12 @@ def test_count_rejects_unknown_kind_and_audit_cannot_be_reentered() -> None:
         audit.count(kind="copy")
     with audit, pytest.raises(RuntimeError, match="already active"):
         audit.__enter__()
+
+
+def test_deepcopy_of_a_tensor_counts_its_gradient_too() -> None:
+    x = torch.ones(4, 6, requires_grad=True)
+    x.grad = torch.ones(4, 6)
+    with CopyAudit() as audit:
+        y = copy.deepcopy(x)
+    assert y.grad is not None and audit.bytes_allocated == 2 * 96
+    assert audit.count("deepcopy") == 2

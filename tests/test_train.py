@@ -1,0 +1,143 @@
+"""The entry point: recipe selection, config groups, run outputs, seeding, multirun, early errors."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.utils import instantiate
+
+import train
+
+ROOT = Path(__file__).resolve().parents[1]
+QUICK = ["trainer.max_epochs=2", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
+
+
+def run_train(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+    )
+
+
+def compose_cfg(*overrides: str, output_dir: Path = Path("unused")):
+    with initialize_config_dir(str(train.CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=[f"paths.output_dir={output_dir}", *overrides])
+
+
+def test_no_recipe_exits_2_listing_recipes() -> None:
+    result = run_train()
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0, result.stderr  # one line
+    assert "+recipe=NAME" in result.stderr and "metrics" in result.stderr
+
+
+@pytest.mark.parametrize("arg", ["+recipe=nope", "+recipe=metrics,nope"])
+def test_unknown_recipe_exits_2_listing_recipes(arg: str) -> None:
+    result = run_train(arg)
+    assert result.returncode == 2
+    assert "unknown recipe 'nope'" in result.stderr and "metrics" in result.stderr
+
+
+def test_recipe_list_comes_from_conf() -> None:
+    assert train.available_recipes() == sorted(p.stem for p in (ROOT / "conf" / "recipe").glob("*.yaml"))
+    assert train.recipe_argument_error(["+recipe=metrics"]) is None
+    assert train.recipe_argument_error(["--help"]) is None
+
+
+@pytest.mark.parametrize("recipe", train.available_recipes())
+@pytest.mark.parametrize("trainer", ["default", "cpu", "gpu", "ddp"])
+@pytest.mark.parametrize("logger", ["csv", "tensorboard"])
+def test_every_recipe_composes_with_every_group(recipe: str, trainer: str, logger: str, tmp_path: Path) -> None:
+    cfg = compose_cfg(f"+recipe={recipe}", f"trainer={trainer}", f"logger={logger}", output_dir=tmp_path)
+    assert cfg.recipe.name == recipe
+    assert cfg.trainer._target_ == "lightning.pytorch.Trainer"
+    assert "csv" in cfg.logger  # summary.json and the tests read the CSV metrics under every logger choice
+    assert {"model_checkpoint", "run_summary"} <= set(cfg.callbacks)
+    assert cfg.callbacks.run_summary.recipe == recipe
+    if trainer == "ddp":
+        assert cfg.trainer.strategy == "ddp" and cfg.trainer.devices == 2
+
+
+def test_recipe_objects_instantiate_from_config(tmp_path: Path) -> None:
+    cfg = compose_cfg("+recipe=metrics", "trainer=cpu", output_dir=tmp_path)
+    trainer, model, datamodule = train.build(cfg)
+    assert type(model).__name__ == "DigitsClassifier" and datamodule is not None
+    names = {type(c).__name__ for c in trainer.callbacks}
+    assert {"ModelCheckpoint", "RunSummary", "GraphRetentionGuard"} <= names
+    assert Path(instantiate(cfg.logger.csv).log_dir) == tmp_path
+
+
+def test_misspelled_key_is_rejected_before_training(tmp_path: Path) -> None:
+    result = run_train("+recipe=metrics", "trainer.max_epoch=3", f"hydra.run.dir={tmp_path / 'run'}")
+    assert result.returncode != 0
+    assert "max_epoch" in result.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.lr=-1", "model.lr must be > 0"),
+        ("data.batch_size=0", "data.batch_size must be >= 1"),
+        ("data.val_fraction=1.5", "data.val_fraction must be in (0, 1)"),
+    ],
+)
+def test_bad_hyperparameter_exits_2_with_one_line(override: str, message: str, tmp_path: Path) -> None:
+    result = run_train("+recipe=metrics", override, f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == f"error: {message}, got {override.split('=')[1]}"
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_run_writes_metrics_checkpoints_and_summary(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    result = run_train("+recipe=metrics", "seed=3", *QUICK, f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"outputs: {run_dir}" in result.stdout
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["recipe"] == "metrics" and summary["seed"] == 3
+    assert summary["epochs"] == 2 and summary["global_step"] == 2 * 23
+    assert {"train/loss", "train/acc", "val/loss", "val/acc", "val/auroc"} <= set(summary["metrics"])
+    assert all(isinstance(v, float) for v in summary["metrics"].values())
+    assert Path(summary["checkpoints"]["last"]).is_file() and Path(summary["checkpoints"]["best"]).is_file()
+    with open(run_dir / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    last_val_acc = [float(r["val/acc"]) for r in rows if r["val/acc"]][-1]
+    assert last_val_acc == pytest.approx(summary["metrics"]["val/acc"])
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+
+
+def test_seed_makes_cpu_runs_repeatable(tmp_path: Path) -> None:
+    def metrics(seed: int, name: str) -> dict[str, float]:
+        result = run_train("+recipe=metrics", f"seed={seed}", *QUICK, f"hydra.run.dir={tmp_path / name}")
+        assert result.returncode == 0, result.stderr[-3000:]
+        return json.loads((tmp_path / name / "summary.json").read_text())["metrics"]
+
+    first, again, other = metrics(1, "a"), metrics(1, "b"), metrics(2, "c")
+    assert first == again
+    assert first != other
+
+
+def test_multirun_sweeps_into_one_directory_per_job(tmp_path: Path) -> None:
+    result = run_train(
+        "-m", "+recipe=metrics", "seed=0,1", "trainer.max_steps=3", *QUICK[1:], f"hydra.sweep.dir={tmp_path}"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    seeds = sorted(json.loads((tmp_path / job / "summary.json").read_text())["seed"] for job in ("0", "1"))
+    assert seeds == [0, 1]
+
+
+def test_default_run_reaches_95_percent_validation_accuracy(tmp_path: Path) -> None:
+    """The recipe exactly as shipped (20 epochs, guard on), only without the progress bar."""
+    result = run_train("+recipe=metrics", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    print(f"default metrics run: val/acc {summary['metrics']['val/acc']:.4f} in {summary['wall_s']} s")
+    assert summary["metrics"]["val/acc"] >= 0.95
