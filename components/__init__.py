@@ -9,6 +9,7 @@ Probes (usable on any PyTorch code):
 Lightning callbacks:
     GraphRetentionGuard  fails a run the step a graph leaks into outputs, attributes or metric states
     RunSummary           writes ``summary.json`` (final metrics, recipe, seed) into the run directory
+    StepProbe            audits one training batch's copies and measures memory growth per batch
 """
 
 from components.copy_audit import CopyAudit, TensorEvent
@@ -16,6 +17,7 @@ from components.graph_guard import GraphRetentionError, GraphRetentionGuard
 from components.graph_refs import find_graph_refs
 from components.memory_probe import MemoryProbe
 from components.run_summary import RunSummary
+from components.step_probe import StepProbe
 from components.storage import shares_storage, storage_key
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "GraphRetentionGuard",
     "MemoryProbe",
     "RunSummary",
+    "StepProbe",
     "TensorEvent",
     "find_graph_refs",
     "shares_storage",

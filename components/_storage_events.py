@@ -125,6 +125,11 @@ class StorageEvents:
         self._stack: ExitStack | None = None
         self._in_deepcopy = 0
 
+    @property
+    def active(self) -> bool:
+        """True between entering and leaving the block."""
+        return self._stack is not None
+
     def on_alloc(self, event: TensorEvent, storage: torch.UntypedStorage) -> None:
         """Called once per new storage created inside the block."""
 

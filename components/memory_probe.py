@@ -57,6 +57,11 @@ class MemoryProbe:
         self._active = False
 
     @property
+    def active(self) -> bool:
+        """True between entering and leaving the block."""
+        return self._active
+
+    @property
     def uses_allocator(self) -> bool:
         """True on CUDA (allocator statistics), False elsewhere (live-storage ledger)."""
         return self._ledger is None

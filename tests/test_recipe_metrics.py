@@ -18,10 +18,10 @@ from hydra import compose, initialize_config_dir
 from torchmetrics.classification import MulticlassAUROC
 
 import train
-from components import GraphRetentionError, GraphRetentionGuard
+from components import CopyAudit, GraphRetentionError, GraphRetentionGuard, StepProbe
 from recipes.digits import DigitsDataModule
 from recipes.metrics import DigitsClassifier
-from tests.memory_window import GrowthWindow
+from tests.conftest import DEVICES
 
 HIDDEN = 128
 BATCH = 16
@@ -44,14 +44,35 @@ def _compose(tmp_path: Path, *overrides: str) -> Any:
 
 def test_recipe_keeps_no_memory_over_200_steps(tmp_path: Path) -> None:
     """The recipe as configured (guard, checkpoints, metrics, logger) grows by <= 1 KiB over 200 steps."""
-    cfg = _compose(tmp_path, "trainer.max_steps=211", "trainer.max_epochs=100")
+    cfg = _compose(tmp_path, "trainer.max_steps=212", "trainer.max_epochs=100")
     trainer, model, datamodule = train.build(cfg)
-    window = GrowthWindow(start=10, steps=201)
+    window = StepProbe(start=10, steps=201, trace=True)
     trainer.callbacks.append(window)
     trainer.fit(model, datamodule=datamodule)
     print(f"recipe: growth over 200 steps {window.growth_bytes} B; {window.long.report()}")
     assert trainer.current_epoch >= 8  # the window spans epoch ends, validation and checkpoints
     assert window.growth_bytes <= 1024, window.long.report()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_optimizer_step_allocates_nothing(device: str) -> None:
+    """The recipe's fused AdamW updates in place; the default AdamW, the control, allocates temporaries."""
+    model = DigitsClassifier().to(device)
+    fused = model.configure_optimizers()
+    default = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for optimizer in (fused, default):
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        optimizer.step()  # the first step creates the moment buffers
+    with CopyAudit() as ours:
+        fused.step()
+    with CopyAudit() as control:
+        default.step()
+    assert ours.bytes_allocated == 0, ours.summary()
+    assert ours.count(kind="write") >= 3 * len(list(model.parameters()))  # weights and both moments, in place
+    if device == "cpu":  # CUDA's default is the foreach path, which allocates less but still allocates
+        assert control.bytes_allocated >= 2 * sum(p.numel() * 4 for p in model.parameters())
+    assert control.bytes_allocated > 0
 
 
 # --- the controls: the recipe with one line changed ------------------------------------------------
@@ -155,8 +176,8 @@ def _fit(module: pl.LightningModule, callbacks: list[pl.Callback], max_steps: in
 
 
 def _growth_per_step(module: pl.LightningModule) -> float:
-    window = GrowthWindow(start=3, steps=41)  # inside the first epoch (89 steps of 16)
-    _fit(module, [window], max_steps=44)
+    window = StepProbe(start=3, steps=41)  # inside the first epoch (90 batches of 16)
+    _fit(module, [window], max_steps=45)
     return window.growth_per_step
 
 
