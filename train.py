@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 import sys
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +23,11 @@ if TYPE_CHECKING:
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 _RECIPE_ARG = re.compile(r"^\+{0,2}recipe=(?P<names>.*)$")
 _HELP_FLAGS = {"-h", "--help", "--hydra-help", "--info", "-i"}
+
+# Expected, not actionable: Hydra's run directory already holds .hydra/ when the CSV logger opens it, and
+# Lightning 2.6 calls a torch pytree API that torch 2.13 deprecates.
+warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
 
 
 def available_recipes() -> list[str]:

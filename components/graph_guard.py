@@ -38,8 +38,8 @@ class GraphRetentionGuard(pl.Callback):
 
     Args:
         mode: ``"raise"`` (stop with ``GraphRetentionError``) or ``"warn"`` (a ``RuntimeWarning``).
-        every_n_steps: check every n-th batch (1 = every batch); the walk costs roughly a microsecond
-            per object visited.
+        every_n_steps: check every n-th batch (1 = every batch). A check walks every attribute of the
+            module tree: measured at about 0.3 ms for the ``metrics`` recipe's module on a 2-core CPU.
     """
 
     def __init__(self, mode: str = "raise", every_n_steps: int = 1) -> None:

@@ -17,7 +17,7 @@ person would type to reach it::
 from __future__ import annotations
 
 import warnings
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator, Mapping
 from types import BuiltinFunctionType, FunctionType, MethodType, ModuleType
 from typing import Any
@@ -26,6 +26,8 @@ import torch
 
 __all__ = ["find_graph_refs"]
 
+_CONTAINERS = frozenset({dict, list, tuple, set, frozenset, deque, OrderedDict})
+_MODULE_GROUPS = frozenset({"_parameters", "_buffers", "_modules"})
 _LEAF_TYPES = (
     str,
     bytes,
@@ -104,42 +106,42 @@ def find_graph_refs(
             continue
         if depth >= max_depth or isinstance(value, (*_LEAF_TYPES, *skip_types)):
             continue
-        for child, child_path in _children(value, path, skip):
-            if id(child) not in seen and not isinstance(child, _LEAF_TYPES):
-                queue.append((child, child_path, depth + 1))
+        for child, form, key in _children(value, skip):
+            if id(child) in seen or isinstance(child, _LEAF_TYPES) or (type(child) in _CONTAINERS and not child):
+                continue
+            queue.append((child, form.format(path, key), depth + 1))
     return found
 
 
-def _children(value: Any, path: str, skip: frozenset[str]) -> Iterator[tuple[Any, str]]:
+_ITEM, _INDEX, _MEMBER, _ATTR = "{}[{!r}]", "{}[{}]", "{}{{{}}}", "{}.{}"
+
+
+def _children(value: Any, skip: frozenset[str]) -> Iterator[tuple[Any, str, Any]]:
+    """(child, path format, key): the path string is only built for children worth visiting."""
     if isinstance(value, Mapping):
         for key, child in list(value.items()):
-            yield child, f"{path}[{key!r}]"
+            yield child, _ITEM, key
         return
     if isinstance(value, (list, tuple, deque)):
         for i, child in enumerate(list(value)):
-            yield child, f"{path}[{i}]"
+            yield child, _INDEX, i
         return
     if isinstance(value, (set, frozenset)):
         for i, child in enumerate(list(value)):
-            yield child, f"{path}{{{i}}}"
+            yield child, _MEMBER, i
         return
-    if isinstance(value, torch.nn.Module):
-        for group in ("_parameters", "_buffers", "_modules"):
-            for key, child in vars(value).get(group, {}).items():
-                if key not in skip:
-                    yield child, f"{path}.{key}"
-    yield from _attributes(value, path, skip)
-
-
-def _attributes(value: Any, path: str, skip: frozenset[str]) -> Iterator[tuple[Any, str]]:
-    module_groups = ("_parameters", "_buffers", "_modules") if isinstance(value, torch.nn.Module) else ()
     attrs = getattr(value, "__dict__", None)
     if isinstance(attrs, dict):
+        if isinstance(value, torch.nn.Module):
+            for group in ("_parameters", "_buffers", "_modules"):
+                for key, child in attrs.get(group, {}).items():
+                    if key not in skip:
+                        yield child, _ATTR, key
         for key, child in list(attrs.items()):
-            if key not in skip and key not in module_groups:
-                yield child, f"{path}.{key}"
+            if key not in skip and key not in _MODULE_GROUPS:
+                yield child, _ATTR, key
     for cls in type(value).__mro__:
         for slot in getattr(cls, "__slots__", ()):
             own = isinstance(slot, str) and slot not in skip and slot not in ("__dict__", "__weakref__")
             if own and hasattr(value, slot):
-                yield getattr(value, slot), f"{path}.{slot}"
+                yield getattr(value, slot), _ATTR, slot

@@ -23,6 +23,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassAUROC
 
 __all__ = ["DigitsClassifier"]
@@ -50,6 +51,7 @@ class DigitsClassifier(pl.LightningModule):
             nn.ReLU(),
             nn.Linear(hidden, NUM_CLASSES),
         )
+        self.train_loss = MeanMetric()
         self.train_acc = MulticlassAccuracy(NUM_CLASSES, average="micro")
         self.val_acc = MulticlassAccuracy(NUM_CLASSES, average="micro")
         self.val_auroc = MulticlassAUROC(NUM_CLASSES, thresholds=None)
@@ -61,10 +63,13 @@ class DigitsClassifier(pl.LightningModule):
         x, y = batch
         logits = self(x)
         loss = F.cross_entropy(logits, y)
-        # Copy decision: `self.log` detaches for us; the metric gets `logits.detach()` (shares storage,
-        # no graph), so its state can never hold this step's activations.
-        self.log("train/loss", loss, on_step=True, on_epoch=True, prog_bar=True)
+        # Copy decision: `self.log` detaches for us; metrics get `.detach()` values (shared storage, no
+        # graph), so no metric state can ever hold this step's graph.
+        self.log("train/loss", loss, prog_bar=True)
+        self.train_loss.update(loss.detach())
         self.train_acc.update(logits.detach(), y)
+        # Metric objects are reduced (and synchronised across DDP ranks) once, at epoch end.
+        self.log("train/loss_epoch", self.train_loss, on_step=False, on_epoch=True)
         self.log("train/acc", self.train_acc, on_step=False, on_epoch=True)
         return loss
 
@@ -75,7 +80,7 @@ class DigitsClassifier(pl.LightningModule):
         # of `val_auroc` grows by one batch of probabilities per step and is freed by its epoch-end reset.
         self.val_acc.update(logits, y)
         self.val_auroc.update(logits.softmax(dim=-1), y)
-        self.log("val/loss", F.cross_entropy(logits, y), prog_bar=True)
+        self.log("val/loss", F.cross_entropy(logits, y), prog_bar=True, sync_dist=True)
         self.log("val/acc", self.val_acc, prog_bar=True)
         self.log("val/auroc", self.val_auroc)
 
