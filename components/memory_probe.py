@@ -88,31 +88,30 @@ class MemoryProbe:
     ) -> None:
         if self._ledger is None:
             torch.cuda.synchronize(self.device)
-            self._peak = torch.cuda.max_memory_allocated(self.device) - self._start
-            self._net = torch.cuda.memory_allocated(self.device) - self._start
         else:
             self._ledger.__exit__(exc_type, exc, tb)
-            self._peak = self._ledger.peak
-            self._net = self._ledger.live
+        self._peak, self._net = self._read()
+        if self._ledger is not None:
             self._ledger.stop_tracking()
         self._active = False
+
+    def _read(self) -> tuple[int, int]:
+        """(peak, net) above the entry level, now."""
+        if self._ledger is None:
+            peak = torch.cuda.max_memory_allocated(self.device) - self._start
+            return peak, torch.cuda.memory_allocated(self.device) - self._start
+        return self._ledger.peak, self._ledger.live
 
     @property
     def peak_bytes(self) -> int:
         """Highest live bytes above the entry level, inside the block (so far, while inside)."""
-        if self._active:
-            if self._ledger is None:
-                return torch.cuda.max_memory_allocated(self.device) - self._start
-            return self._ledger.peak
-        return self._peak
+        return self._read()[0] if self._active else self._peak
 
     @property
     def net_bytes(self) -> int:
         """Live bytes above the entry level: at exit, or now while inside."""
         if self._active:
-            if self._ledger is None:
-                return torch.cuda.memory_allocated(self.device) - self._start
-            return self._ledger.live
+            return self._read()[1]
         if self._net is None:
             raise RuntimeError("MemoryProbe was never entered")
         return self._net
