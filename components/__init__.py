@@ -6,13 +6,19 @@ Probes (usable on any PyTorch code):
     find_graph_refs    paths of tensors that keep an autograd graph alive
     shares_storage     storage-level aliasing (not ``data_ptr()`` equality)
 
+Training components:
+    EMA                shadow weights averaged in place with one foreach call per group
+
 Lightning callbacks:
+    EMACallback          an EMA of the module: updated per optimizer step, evaluated beside it, checkpointed
     GraphRetentionGuard  fails a run the step a graph leaks into outputs, attributes or metric states
     RunSummary           writes ``summary.json`` (final metrics, recipe, seed) into the run directory
     StepProbe            audits one training batch's copies and measures memory growth per batch
 """
 
 from components.copy_audit import CopyAudit, TensorEvent
+from components.ema import EMA
+from components.ema_callback import EMACallback
 from components.graph_guard import GraphRetentionError, GraphRetentionGuard
 from components.graph_refs import find_graph_refs
 from components.memory_probe import MemoryProbe
@@ -21,6 +27,8 @@ from components.step_probe import StepProbe
 from components.storage import shares_storage, storage_key
 
 __all__ = [
+    "EMA",
+    "EMACallback",
     "CopyAudit",
     "GraphRetentionError",
     "GraphRetentionGuard",

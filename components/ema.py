@@ -1,0 +1,331 @@
+"""``EMA``: exponential moving average ("shadow") weights, updated in place, outside autograd, grouped.
+
+Copy contract:
+
+* The shadow is plain tensors of its own (``ema.shadow[name]``, keyed by the model's ``state_dict()``
+  names), made once with ``detach().clone()`` at construction: ``requires_grad=False``, never an
+  ``nn.Parameter``, never in ``model.parameters()``, an optimizer, DDP's reducer or autograd. The module
+  itself is never deep-copied.
+* ``update(model)`` writes into the shadow in place under ``torch.no_grad()`` (whatever the caller's grad
+  mode): one ``torch._foreach_lerp_`` per (device, dtype) group of floating tensors, one
+  ``torch._foreach_copy_`` for integer buffers (``num_batches_tracked``). It allocates nothing and reads
+  no value back to the host. Floating buffers (BatchNorm statistics) are averaged like parameters.
+* A model in float16/bfloat16 gets a float32 shadow (``shadow_dtype=None``): at decay 0.9999 a bf16
+  shadow rounds every small update away. A group whose shadow dtype or device differs from the model's
+  keeps a staging copy of the live tensors in the shadow's dtype and device, allocated once.
+* ``average_weights(model)`` swaps shadow and live values in place and swaps them back on exit, bit for
+  bit, through one scratch buffer the size of the largest tensor (groups whose dtype or device differ
+  back up their live tensors instead, in the live dtype on the shadow's device).
+
+Tensors are looked up once: parameters by object (stable across ``model.to(...)``), buffers by
+(module, name), because ``model.to(...)`` replaces buffer objects. Replacing a Parameter object after
+construction (``module.weight = nn.Parameter(...)``) needs a new ``EMA``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["EMA"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class _Group:
+    """Shadow/live pairs that one foreach call can update: same devices and dtypes on each side."""
+
+    average: bool  # floating: lerp; integer: copy
+    live_device: torch.device
+    live_dtype: torch.dtype
+    shadows: list[torch.Tensor] = field(default_factory=list)
+    params: list[torch.Tensor | None] = field(default_factory=list)  # Parameter objects; None for buffers
+    buffers: list[tuple[int, nn.Module, str]] = field(default_factory=list)  # (position, owner, name)
+    staging: list[torch.Tensor] = field(default_factory=list)  # when shadow and live differ in dtype/device
+
+    def lives(self) -> list[torch.Tensor]:
+        """The model's tensors in shadow order; buffers looked up now, as ``model.to()`` replaces them."""
+        if not self.buffers:
+            return self.params  # type: ignore[return-value]
+        lives = list(self.params)
+        for position, owner, name in self.buffers:
+            lives[position] = owner._buffers[name]
+        return lives  # type: ignore[return-value]
+
+
+class EMA:
+    """Exponential moving average of a model's parameters (and buffers), kept outside the model.
+
+    Args:
+        model: the module whose weights are averaged.
+        decay: weight of the old average per update, in [0, 1).
+        warmup: ramp the decay as ``min(decay, 1 - (1 + k) ** -warmup_power)`` over the first updates k.
+        warmup_power: exponent of the ramp (2/3 reaches 0.999 after about 31,000 updates).
+        update_every: average on every n-th call of ``update`` (the others are free).
+        start_step: before this many ``update`` calls, the shadow copies the weights instead of averaging.
+        include_buffers: average floating buffers and copy integer ones; ``False``: parameters only.
+        shadow_dtype: dtype of the shadow's floating tensors; ``None``: float32 for float16/bfloat16
+            models, the model's dtype otherwise.
+        device: where the shadow lives; ``None``: beside each model tensor. ``"cpu"`` keeps a GPU model's
+            average in host memory (each update then waits for a device-to-host copy).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        decay: float = 0.999,
+        *,
+        warmup: bool = False,
+        warmup_power: float = 2 / 3,
+        update_every: int = 1,
+        start_step: int = 0,
+        include_buffers: bool = True,
+        shadow_dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay}")
+        if not warmup_power > 0:
+            raise ValueError(f"warmup_power must be > 0, got {warmup_power}")
+        if update_every < 1:
+            raise ValueError(f"update_every must be >= 1, got {update_every}")
+        if start_step < 0:
+            raise ValueError(f"start_step must be >= 0, got {start_step}")
+        if shadow_dtype is not None and not shadow_dtype.is_floating_point:
+            raise ValueError(f"shadow_dtype must be a floating dtype, got {shadow_dtype}")
+        self.decay = float(decay)
+        self.warmup = warmup
+        self.warmup_power = float(warmup_power)
+        self.update_every = update_every
+        self.start_step = start_step
+        self.include_buffers = include_buffers
+        self.shadow_dtype = shadow_dtype
+        self.device = torch.device(device) if device is not None else None
+        self.step = 0  # calls of update()
+        self.num_updates = 0  # averaging updates applied (the warm-up's k)
+        self.shadow: dict[str, torch.Tensor] = {}
+        self._groups: list[_Group] = []
+        self._model: nn.Module | None = None
+        self._build(_unwrap(model))
+
+    # -- construction -------------------------------------------------------------------------------
+
+    def _entries(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor, nn.Parameter | None, Any]]:
+        """(state_dict name, tensor, Parameter or None, (module, buffer name) or None), tied tensors once each."""
+        params = {id(p) for p in model.parameters()}
+        owners: dict[str, tuple[nn.Module, str]] = {}
+        for prefix, module in model.named_modules(remove_duplicate=False):
+            for name in module._buffers:
+                owners[f"{prefix}.{name}" if prefix else name] = (module, name)
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            if id(tensor) in params:
+                yield name, tensor, tensor, None  # type: ignore[misc]
+            elif self.include_buffers and name in owners:
+                yield name, tensor, None, owners[name]
+
+    def _build(self, model: nn.Module) -> None:
+        first_name: dict[int, str] = {}
+        groups: dict[tuple, _Group] = {}
+        with torch.no_grad():
+            for name, live, param, handle in self._entries(model):
+                if id(live) in first_name:  # tied weights share one shadow
+                    self.shadow[name] = self.shadow[first_name[id(live)]]
+                    continue
+                first_name[id(live)] = name
+                average = live.is_floating_point()
+                dtype = self._shadow_dtype_for(live.dtype) if average else live.dtype
+                device = self.device or live.device
+                shadow = live.detach().to(device=device, dtype=dtype, copy=True)
+                self.shadow[name] = shadow
+                key = (shadow.device, shadow.dtype, live.device, live.dtype, average)
+                group = groups.setdefault(key, _Group(average, live.device, live.dtype))
+                if handle is not None:
+                    group.buffers.append((len(group.shadows), *handle))
+                group.shadows.append(shadow)
+                group.params.append(param)
+                if shadow.dtype != live.dtype or shadow.device != live.device:
+                    group.staging.append(torch.empty_like(shadow))
+        self._groups = list(groups.values())
+        self._model = model
+
+    def _shadow_dtype_for(self, dtype: torch.dtype) -> torch.dtype:
+        if self.shadow_dtype is not None:
+            return self.shadow_dtype
+        return torch.float32 if dtype in _LOW_PRECISION else dtype
+
+    def _check_model(self, model: nn.Module | None) -> None:
+        if model is not None and model is not self._model and _unwrap(model) is not self._model:
+            raise ValueError(
+                "this EMA was built for another model object; create a new EMA for this model "
+                "(or pass the same module, DDP- or compile-wrapped)"
+            )
+
+    @staticmethod
+    def _checked_lives(group: _Group) -> list[torch.Tensor]:
+        lives = group.lives()
+        if lives[0].device != group.live_device or lives[0].dtype != group.live_dtype:
+            raise RuntimeError(
+                f"the model moved from {group.live_device}/{group.live_dtype} to "
+                f"{lives[0].device}/{lives[0].dtype} after the EMA was created: create the EMA after "
+                "model.to(...), or pass device='cpu' to keep the shadow on the CPU"
+            )
+        return lives
+
+    def _live_groups(self, model: nn.Module | None) -> list[tuple[_Group, list[torch.Tensor]]]:
+        self._check_model(model)
+        return [(group, self._checked_lives(group)) for group in self._groups]
+
+    # -- the update -----------------------------------------------------------------------------------
+
+    def decay_at(self, k: int) -> float:
+        """The decay used for averaging update number ``k`` (0-based), warm-up included."""
+        if not self.warmup:
+            return self.decay
+        return min(self.decay, 1.0 - (1.0 + k) ** -self.warmup_power)
+
+    def update(self, model: nn.Module | None = None) -> None:
+        """One step: average the model into the shadow (or copy it, before ``start_step``).
+
+        In place, under ``no_grad``, no allocation, no host synchronisation (shadow beside the model).
+        ``model`` defaults to the one given at construction (passing it wrapped in DDP or
+        ``torch.compile`` is fine).
+        """
+        self._check_model(model)
+        step, self.step = self.step, self.step + 1
+        copy = step < self.start_step
+        if not copy and (step - self.start_step) % self.update_every:
+            return
+        weight = 1.0 - self.decay_at(self.num_updates)
+        grad_was_enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # a `with torch.no_grad()` block costs more than a small model's update
+        try:
+            for group in self._groups:
+                lives = self._checked_lives(group)
+                if group.staging:
+                    torch._foreach_copy_(group.staging, lives)
+                    lives = group.staging
+                if group.average and not copy:
+                    torch._foreach_lerp_(group.shadows, lives, weight)
+                else:
+                    torch._foreach_copy_(group.shadows, lives)
+        finally:
+            torch._C._set_grad_enabled(grad_was_enabled)
+        if not copy:
+            self.num_updates += 1
+
+    # -- using the average ----------------------------------------------------------------------------
+
+    def copy_to(self, model: nn.Module | None = None) -> None:
+        """Overwrite a model's weights (and averaged buffers) with the shadow, in place.
+
+        ``model`` defaults to the averaged model; another model with the same state_dict names and shapes
+        (a fresh instance for export, say) is written through its ``state_dict(keep_vars=True)`` tensors.
+        """
+        if model is None or _unwrap(model) is self._model:
+            with torch.no_grad():
+                for group, lives in self._live_groups(model):
+                    torch._foreach_copy_(lives, group.shadows)
+            return
+        targets = _unwrap(model).state_dict(keep_vars=True)
+        for name, shadow in self.shadow.items():
+            if name not in targets or targets[name].shape != shadow.shape:
+                found = tuple(targets[name].shape) if name in targets else "nothing"
+                raise ValueError(f"cannot copy the EMA into this model: {name!r} {tuple(shadow.shape)} vs {found}")
+        with torch.no_grad():
+            for name, shadow in self.shadow.items():
+                targets[name].copy_(shadow)
+
+    @contextmanager
+    def average_weights(self, model: nn.Module | None = None) -> Iterator[nn.Module]:
+        """Run the block with the shadow's values in the model; the live values come back bit for bit."""
+        target = self._model if model is None else model
+        pairs = self._live_groups(model)
+        scratch = self._scratch(pairs)
+        backups: dict[int, list[torch.Tensor]] = {}
+        with torch.no_grad():
+            for i, (group, lives) in enumerate(pairs):
+                if group.staging:
+                    backups[i] = [live.to(s.device, copy=True) for live, s in zip(lives, group.shadows, strict=True)]
+                    torch._foreach_copy_(lives, group.shadows)
+                else:
+                    _swap(lives, group.shadows, scratch)
+        try:
+            yield target  # type: ignore[misc]
+        finally:
+            with torch.no_grad():
+                for i, (group, lives) in enumerate(pairs):
+                    if i in backups:
+                        torch._foreach_copy_(lives, backups.pop(i))
+                    else:
+                        _swap(lives, group.shadows, scratch)
+
+    @staticmethod
+    def _scratch(pairs: list[tuple[_Group, list[torch.Tensor]]]) -> dict[torch.device, torch.Tensor]:
+        largest: dict[torch.device, int] = {}
+        for group, lives in pairs:
+            if not group.staging:
+                for live in lives:
+                    nbytes = live.numel() * live.element_size()
+                    largest[live.device] = max(largest.get(live.device, 0), nbytes)
+        return {device: torch.empty(n, dtype=torch.uint8, device=device) for device, n in largest.items()}
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters and the shadow tensors (aliased, like ``Module.state_dict``); loads with ``weights_only=True``."""
+        return {"decay": self.decay, "step": self.step, "num_updates": self.num_updates, "shadow": dict(self.shadow)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Copy a saved shadow and counters in place; names and shapes must match exactly."""
+        saved = state.get("shadow")
+        if not isinstance(saved, Mapping):
+            raise ValueError("EMA state must hold a 'shadow' mapping of tensor names to tensors")
+        missing = sorted(set(self.shadow) - set(saved))
+        unexpected = sorted(set(saved) - set(self.shadow))
+        if missing or unexpected:
+            raise ValueError(f"EMA state does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for name, tensor in saved.items():
+            if tuple(tensor.shape) != tuple(self.shadow[name].shape):
+                raise ValueError(
+                    f"EMA state for {name!r} has shape {tuple(tensor.shape)}, the model's is "
+                    f"{tuple(self.shadow[name].shape)}"
+                )
+        with torch.no_grad():
+            for name, tensor in saved.items():
+                self.shadow[name].copy_(tensor)
+        self.step = int(state.get("step", 0))
+        self.num_updates = int(state.get("num_updates", 0))
+
+    def __repr__(self) -> str:
+        tensors = len({id(t) for t in self.shadow.values()})
+        return (
+            f"EMA(decay={self.decay}, warmup={self.warmup}, tensors={tensors}, groups={len(self._groups)}, "
+            f"step={self.step}, num_updates={self.num_updates})"
+        )
+
+
+def _swap(lives: list[torch.Tensor], shadows: list[torch.Tensor], scratch: dict[torch.device, torch.Tensor]) -> None:
+    for live, shadow in zip(lives, shadows, strict=True):
+        buffer = scratch[live.device][: live.numel() * live.element_size()].view(live.dtype).view(live.shape)
+        buffer.copy_(live)
+        live.copy_(shadow)
+        shadow.copy_(buffer)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module inside DDP (``.module``) or ``torch.compile`` (``._orig_mod``) wrappers."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        else:
+            return model

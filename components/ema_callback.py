@@ -1,0 +1,203 @@
+"""``EMACallback``: keep an ``EMA`` of a LightningModule during ``fit``, evaluate with it, checkpoint it.
+
+Copy contract: the shadow is the ``EMA``'s own tensors (see ``components.ema``), never a deep copy of the
+LightningModule and never in its ``parameters()``; evaluation swaps the averaged values in place and back,
+bit for bit, through one scratch buffer the size of the largest tensor.
+
+* Updates after every optimizer step (so once per ``accumulate_grad_batches`` batches), from
+  ``start_step`` on, every ``update_every`` steps.
+* ``evaluate="both"`` (default): each validation (and test) epoch runs twice, first with the EMA weights,
+  logging every metric the module logs under its name plus ``suffix`` (``val/acc`` -> ``val/acc_ema``),
+  then with the live weights as usual. The EMA pass runs without the other callbacks, so checkpointing,
+  early stopping and the progress bar act once, on the live pass, and see both sets of metrics.
+  ``"ema"``: evaluate with the EMA weights only, under the module's own names. ``"live"``: no EMA evaluation.
+* Checkpoints hold the EMA state (callback state, tensors and numbers only: loads with
+  ``weights_only=True``); resuming restores it, so a resumed run continues the same average.
+* ``ema_weights_at_end=True`` writes the EMA weights into the module when ``fit`` ends.
+* Under DDP every rank keeps its own EMA. Parameters are identical across ranks after each step, but
+  BatchNorm statistics are not (each rank's forward updates its own; DDP copies rank 0's only at the next
+  forward), so before each update the callback broadcasts rank 0's floating buffers, as DDP would: the
+  shadows are then identical on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+
+from components.ema import EMA
+
+__all__ = ["EMACallback"]
+
+_EVALUATE = ("both", "ema", "live")
+
+
+class EMACallback(pl.Callback):
+    """Args: those of ``EMA`` (``decay`` … ``device``), plus ``evaluate``, ``suffix`` and ``ema_weights_at_end``."""
+
+    def __init__(
+        self,
+        decay: float = 0.999,
+        *,
+        warmup: bool = False,
+        warmup_power: float = 2 / 3,
+        update_every: int = 1,
+        start_step: int = 0,
+        include_buffers: bool = True,
+        shadow_dtype: torch.dtype | None = None,
+        device: str | None = None,
+        evaluate: str = "both",
+        suffix: str = "_ema",
+        ema_weights_at_end: bool = False,
+    ) -> None:
+        if evaluate not in _EVALUATE:
+            raise ValueError(f"evaluate must be one of {_EVALUATE}, got {evaluate!r}")
+        if not suffix:
+            raise ValueError("suffix must be a non-empty string")
+        self._ema_kwargs: dict[str, Any] = {
+            "decay": decay,
+            "warmup": warmup,
+            "warmup_power": warmup_power,
+            "update_every": update_every,
+            "start_step": start_step,
+            "include_buffers": include_buffers,
+            "shadow_dtype": shadow_dtype,
+            "device": device,
+        }
+        EMA(torch.nn.Linear(1, 1), **self._ema_kwargs)  # fail now, not at the first step, on bad arguments
+        self.evaluate = evaluate
+        self.suffix = suffix
+        self.ema_weights_at_end = ema_weights_at_end
+        self.ema: EMA | None = None
+        self._pending: dict[str, Any] | None = None
+        self._last_step = 0
+        self._wrapped: list[Any] = []
+        self._flat: torch.Tensor | None = None
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(decay=self._ema_kwargs["decay"])
+
+    def _ensure_ema(self, pl_module: pl.LightningModule) -> EMA:
+        if self.ema is None:
+            self.ema = EMA(pl_module, **self._ema_kwargs)
+            if self._pending is not None:
+                self.ema.load_state_dict(self._pending)
+                self._pending = None
+        return self.ema
+
+    # -- wiring the evaluation passes -------------------------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.evaluate == "live":
+            return
+        loops = [trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop]
+        for loop in loops:
+            if "run" not in vars(loop):  # not wrapped yet
+                loop.run = self._evaluate_with_ema(trainer, pl_module, loop.run)
+                self._wrapped.append(loop)
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for loop in self._wrapped:
+            del loop.run  # back to the class's method
+        self._wrapped.clear()
+
+    def _evaluate_with_ema(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, run: Callable[[], Any]
+    ) -> Callable[[], Any]:
+        def run_with_ema() -> Any:
+            if trainer.sanity_checking:
+                return run()
+            ema = self._ensure_ema(pl_module)
+            if self.evaluate == "ema":
+                with ema.average_weights(pl_module):
+                    return run()
+            with ema.average_weights(pl_module), _suffixed_logging(pl_module, self.suffix), _quiet(trainer):
+                run()
+            return run()
+
+        return run_with_ema
+
+    # -- training ---------------------------------------------------------------------------------------
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._ensure_ema(pl_module)
+        self._last_step = trainer.global_step
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_step > self._last_step:  # an optimizer step happened in this batch
+            self._last_step = trainer.global_step
+            ema = self._ensure_ema(pl_module)
+            if ema.include_buffers:
+                self._buffers_from_rank_zero(trainer, pl_module)
+            ema.update(pl_module)
+
+    def _buffers_from_rank_zero(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Under DDP each rank's forward updates its own BatchNorm statistics; DDP copies rank 0's to all
+        ranks only at the next forward. Doing that now (one broadcast through a flat buffer made once)
+        gives every rank the same buffers to average, so the shadows stay identical."""
+        if trainer.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            return
+        buffers = [b for b in pl_module.buffers() if b.is_floating_point()]
+        if not buffers:
+            return
+        total = sum(b.numel() for b in buffers)
+        if self._flat is None or self._flat.numel() != total or self._flat.dtype != buffers[0].dtype:
+            self._flat = torch.empty(total, dtype=buffers[0].dtype, device=buffers[0].device)
+        views = [v.view_as(b) for v, b in zip(self._flat.split([b.numel() for b in buffers]), buffers, strict=True)]
+        with torch.no_grad():
+            torch._foreach_copy_(views, buffers)
+            dist.broadcast(self._flat, src=0)
+            torch._foreach_copy_(buffers, views)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.ema_weights_at_end and self.ema is not None:
+            self.ema.copy_to(pl_module)
+
+    # -- checkpoints ------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.ema is None:
+            return {} if self._pending is None else {"ema": self._pending}
+        return {"ema": self.ema.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "ema" not in state_dict:
+            return
+        if self.ema is None:
+            self._pending = state_dict["ema"]
+        else:
+            self.ema.load_state_dict(state_dict["ema"])
+
+
+@contextmanager
+def _suffixed_logging(pl_module: pl.LightningModule, suffix: str) -> Iterator[None]:
+    """Every ``self.log(name, ...)`` of the module (and so ``log_dict``) logs ``name + suffix`` instead."""
+    log = pl_module.log
+
+    def log_with_suffix(name: str, *args: Any, **kwargs: Any) -> None:
+        log(f"{name}{suffix}", *args, **kwargs)
+
+    pl_module.log = log_with_suffix  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del pl_module.log
+
+
+@contextmanager
+def _quiet(trainer: pl.Trainer) -> Iterator[None]:
+    """No callback hooks (checkpointing, early stopping, progress bars) during the EMA pass."""
+    callbacks = trainer.callbacks
+    trainer.callbacks = []
+    try:
+        yield
+    finally:
+        trainer.callbacks = callbacks
