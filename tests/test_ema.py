@@ -101,7 +101,9 @@ def test_update_in_grad_mode_builds_no_graph_and_the_shadow_is_no_parameter() ->
         ema.update(model)  # grad mode is on here
     assert torch.is_grad_enabled()
     assert find_graph_refs(ema, name="ema") == []
-    assert all(not t.requires_grad and t.grad_fn is None and not isinstance(t, nn.Parameter) for t in ema.shadow.values())
+    assert all(
+        not t.requires_grad and t.grad_fn is None and not isinstance(t, nn.Parameter) for t in ema.shadow.values()
+    )
     in_model = [*model.parameters(), *model.buffers()]
     in_optimizer = [p for g in optimizer.param_groups for p in g["params"]]
     for t in ema.shadow.values():
@@ -264,7 +266,7 @@ def test_other_model_and_moved_model_are_clear_errors() -> None:
     with pytest.raises(ValueError, match="another model"):
         ema.update(net())
     model.to(torch.float64)
-    with pytest.raises(RuntimeError, match="moved from cpu/torch.float32"):
+    with pytest.raises(RuntimeError, match=r"moved from cpu/torch\.float32"):
         ema.update(model)
 
 
@@ -303,3 +305,19 @@ def test_cuda_update_has_no_host_sync_and_a_cpu_shadow_works() -> None:
     with host.average_weights(model):
         torch.testing.assert_close(model[0].weight.cpu(), host.shadow["0.weight"])
     assert all(torch.equal(v, live[k]) for k, v in model.state_dict().items())
+
+
+def test_integer_buffers_are_copied_where_averaged_model_freezes_them() -> None:
+    """AveragedModel (Lightning's EMAWeightAveraging path) averages num_batches_tracked as a float and
+    truncates it back into int64: it stays at its first value. Ours copies it."""
+    model = net()
+    ema = EMA(model, decay=0.999)
+    peer = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.999), use_buffers=True)
+    model.train()
+    for _ in range(100):
+        model(torch.randn(8, 16))
+        ema.update(model)
+        peer.update_parameters(model)
+    assert model[1].num_batches_tracked.item() == 100
+    assert ema.shadow["1.num_batches_tracked"].item() == 100
+    assert peer.module[1].num_batches_tracked.item() == 1  # the control: frozen by truncation

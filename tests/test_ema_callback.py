@@ -134,19 +134,36 @@ def test_resume_reproduces_the_uninterrupted_shadow_exactly(tmp_path: Path) -> N
     for name, value in straight.ema.shadow.items():
         assert torch.equal(resumed.ema.shadow[name], value), name
 
+    class ForgetsItsState(EMACallback):  # the control: a resume that starts a fresh average
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            pass
 
-def test_ddp_two_cpu_processes_keep_identical_shadows(tmp_path: Path) -> None:
+    fresh = ForgetsItsState(decay=0.9, warmup=True)
+    trainer(tmp_path / "d", [fresh], max_epochs=4, limit_val_batches=0).fit(
+        Regressor(), loader(), ckpt_path=tmp_path / "b" / "last.ckpt"
+    )
+    assert fresh.ema is not None
+    assert not torch.equal(fresh.ema.shadow["net.0.weight"], straight.ema.shadow["net.0.weight"])
+
+
+def _ddp_shadows(out: Path, *args: str) -> tuple[dict, dict]:
     result = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "scripts" / "ddp_ema.py"), str(tmp_path)],
+        [sys.executable, str(ROOT / "tests" / "scripts" / "ddp_ema.py"), str(out), *args],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    rank0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
-    rank1 = torch.load(tmp_path / "rank1.pt", weights_only=True)
+    return torch.load(out / "rank0.pt", weights_only=True), torch.load(out / "rank1.pt", weights_only=True)
+
+
+def test_ddp_two_cpu_processes_keep_identical_shadows(tmp_path: Path) -> None:
+    rank0, rank1 = _ddp_shadows(tmp_path)
     assert rank0.keys() == rank1.keys() and len(rank0) == 9
     for name in rank0:
         assert torch.equal(rank0[name], rank1[name]), name
-    assert rank0["net.1.num_batches_tracked"].item() > 0
+    (tmp_path / "control").mkdir()
+    rank0, rank1 = _ddp_shadows(tmp_path / "control", "control")  # without the buffer broadcast
+    assert all(torch.equal(rank0[k], rank1[k]) for k in rank0 if "running" not in k)  # parameters agree
+    assert not torch.equal(rank0["net.1.running_mean"], rank1["net.1.running_mean"])  # statistics do not
 
 
 def test_bad_arguments_fail_at_construction() -> None:

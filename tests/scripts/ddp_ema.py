@@ -9,8 +9,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from components import EMACallback  # noqa: E402
-from tests.test_ema_callback import Regressor  # noqa: E402
+from components import EMACallback
+from tests.test_ema_callback import Regressor
 
 
 class SaveShadow(pl.Callback):
@@ -22,12 +22,20 @@ class SaveShadow(pl.Callback):
         torch.save(dict(self.ema.ema.shadow), self.out / f"rank{trainer.global_rank}.pt")
 
 
+class WithoutBufferSync(EMACallback):
+    """The control: each rank averages its own BatchNorm statistics."""
+
+    def _buffers_from_rank_zero(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pass
+
+
 if __name__ == "__main__":
     out = Path(sys.argv[1])
+    control = len(sys.argv) > 2 and sys.argv[2] == "control"
     pl.seed_everything(0)
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(256, 8, generator=generator), torch.randn(256, 1, generator=generator))
-    ema = EMACallback(decay=0.9)
+    ema = (WithoutBufferSync if control else EMACallback)(decay=0.9)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[ema, SaveShadow(ema, out)],
