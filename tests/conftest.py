@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+QUIET = ("trainer.enable_progress_bar=false", "trainer.enable_model_summary=false")
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -27,3 +33,9 @@ def _no_dispatch_mode_outlives_a_test() -> Iterator[None]:
     """CopyAudit and MemoryProbe push dispatch modes; one left active would skew every later test."""
     yield
     assert not _get_current_dispatch_mode_stack(), "a TorchDispatchMode was left active"
+
+
+def compose_config(*overrides: str, output_dir: Path) -> DictConfig:
+    """The config ``train.py`` would build for these overrides, writing into ``output_dir``."""
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        return compose("config", overrides=[f"paths.output_dir={output_dir}", *overrides])

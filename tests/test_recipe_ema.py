@@ -8,28 +8,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
-
-from hydra import compose, initialize_config_dir
 
 import train
 from components import EMACallback, StepProbe, shares_storage
+from tests.conftest import QUIET, compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _compose(tmp_path: Path, *overrides: str) -> Any:
-    with initialize_config_dir(str(train.CONF_DIR), version_base="1.3"):
-        return compose(
-            "config",
-            overrides=[
-                "+recipe=ema",
-                f"paths.output_dir={tmp_path}",
-                "trainer.enable_progress_bar=false",
-                "trainer.enable_model_summary=false",
-                *overrides,
-            ],
-        )
 
 
 def test_default_run_ema_accuracy_at_least_live(tmp_path: Path) -> None:
@@ -47,7 +31,9 @@ def test_default_run_ema_accuracy_at_least_live(tmp_path: Path) -> None:
 
 
 def test_training_step_ema_update_allocates_nothing_and_memory_stays_flat(tmp_path: Path) -> None:
-    cfg = _compose(tmp_path, "trainer.max_epochs=3", "trainer.limit_val_batches=0")
+    cfg = compose_config(
+        "+recipe=ema", *QUIET, "trainer.max_epochs=3", "trainer.limit_val_batches=0", output_dir=tmp_path
+    )
     trainer, model, datamodule = train.build(cfg)
     probe = StepProbe(start=5, steps=60)
     trainer.callbacks.append(probe)  # after EMACallback: the audited batch includes the EMA update

@@ -14,37 +14,24 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
 from torchmetrics.classification import MulticlassAUROC
 
 import train
 from components import CopyAudit, GraphRetentionError, GraphRetentionGuard, StepProbe
 from recipes.digits import DigitsDataModule
 from recipes.metrics import DigitsClassifier
-from tests.conftest import DEVICES
+from tests.conftest import DEVICES, QUIET, compose_config
 
 HIDDEN = 128
 BATCH = 16
 ACTIVATION_BYTES = BATCH * HIDDEN * 4  # one hidden layer's output for one batch, float32
 
 
-def _compose(tmp_path: Path, *overrides: str) -> Any:
-    with initialize_config_dir(str(train.CONF_DIR), version_base="1.3"):
-        return compose(
-            "config",
-            overrides=[
-                "+recipe=metrics",
-                f"paths.output_dir={tmp_path}",
-                "trainer.enable_progress_bar=false",
-                "trainer.enable_model_summary=false",
-                *overrides,
-            ],
-        )
-
-
 def test_recipe_keeps_no_memory_over_200_steps(tmp_path: Path) -> None:
     """The recipe as configured (guard, checkpoints, metrics, logger) grows by <= 1 KiB over 200 steps."""
-    cfg = _compose(tmp_path, "trainer.max_steps=212", "trainer.max_epochs=100")
+    cfg = compose_config(
+        "+recipe=metrics", *QUIET, "trainer.max_steps=212", "trainer.max_epochs=100", output_dir=tmp_path
+    )
     trainer, model, datamodule = train.build(cfg)
     window = StepProbe(start=10, steps=201, trace=True)
     trainer.callbacks.append(window)

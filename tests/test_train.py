@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
 import train
+from tests.conftest import compose_config
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["trainer.max_epochs=2", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
@@ -24,11 +24,6 @@ def run_train(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
     )
-
-
-def compose_cfg(*overrides: str, output_dir: Path = Path("unused")):
-    with initialize_config_dir(str(train.CONF_DIR), version_base="1.3"):
-        return compose("config", overrides=[f"paths.output_dir={output_dir}", *overrides])
 
 
 def test_no_recipe_exits_2_listing_recipes() -> None:
@@ -55,7 +50,7 @@ def test_recipe_list_comes_from_conf() -> None:
 @pytest.mark.parametrize("trainer", ["default", "cpu", "gpu", "ddp"])
 @pytest.mark.parametrize("logger", ["csv", "tensorboard"])
 def test_every_recipe_composes_with_every_group(recipe: str, trainer: str, logger: str, tmp_path: Path) -> None:
-    cfg = compose_cfg(f"+recipe={recipe}", f"trainer={trainer}", f"logger={logger}", output_dir=tmp_path)
+    cfg = compose_config(f"+recipe={recipe}", f"trainer={trainer}", f"logger={logger}", output_dir=tmp_path)
     assert cfg.recipe.name == recipe
     assert cfg.trainer._target_ == "lightning.pytorch.Trainer"
     assert "csv" in cfg.logger  # summary.json and the tests read the CSV metrics under every logger choice
@@ -66,7 +61,7 @@ def test_every_recipe_composes_with_every_group(recipe: str, trainer: str, logge
 
 
 def test_recipe_objects_instantiate_from_config(tmp_path: Path) -> None:
-    cfg = compose_cfg("+recipe=metrics", "trainer=cpu", output_dir=tmp_path)
+    cfg = compose_config("+recipe=metrics", "trainer=cpu", output_dir=tmp_path)
     trainer, model, datamodule = train.build(cfg)
     assert type(model).__name__ == "DigitsClassifier" and datamodule is not None
     names = {type(c).__name__ for c in trainer.callbacks}
