@@ -12,8 +12,9 @@ keeps a tensor alive; on CUDA it reads the caching allocator's counters.
 ``net_bytes`` is what is still live at exit (or now, while inside) above that level.
 
 * CUDA: ``torch.cuda.memory_allocated`` / ``max_memory_allocated`` of the probe's device. Entering
-  resets that device's peak statistics. Memory freed inside the block that was allocated before it
-  counts negative, as the allocator sees it.
+  resets that device's peak statistics (an enclosing probe first takes note of its peak so far, so
+  nested probes stay right). Memory freed inside the block that was allocated before it counts
+  negative, as the allocator sees it.
 * Other devices: a live-storage ledger. Every storage that an ATen op (or ``deepcopy``) creates inside
   the block on the probe's device is counted until its last reference dies (a weak-reference finalizer
   tells), so a slice that keeps a big buffer alive keeps all of it counted. Storage allocated before the
@@ -32,6 +33,8 @@ import torch
 from components._storage_events import StorageEvents, TensorEvent, human_bytes
 
 __all__ = ["MemoryProbe"]
+
+_ACTIVE_ON_CUDA: dict[torch.device, list[MemoryProbe]] = {}  # open CUDA probes per device, outermost first
 
 
 class MemoryProbe:
@@ -73,8 +76,12 @@ class MemoryProbe:
         self._net = None
         if self._ledger is None:
             torch.cuda.synchronize(self.device)
+            for outer in _ACTIVE_ON_CUDA.setdefault(self.device, []):  # keep their peaks across our reset
+                outer._peak = max(outer._peak, outer._read()[0])
             torch.cuda.reset_peak_memory_stats(self.device)
             self._start = torch.cuda.memory_allocated(self.device)
+            self._peak = 0
+            _ACTIVE_ON_CUDA[self.device].append(self)
         else:
             self._ledger.reset()
             self._ledger.__enter__()
@@ -88,15 +95,17 @@ class MemoryProbe:
     ) -> None:
         if self._ledger is None:
             torch.cuda.synchronize(self.device)
+            _ACTIVE_ON_CUDA[self.device].remove(self)
         else:
             self._ledger.__exit__(exc_type, exc, tb)
-        self._peak, self._net = self._read()
+        peak, self._net = self._read()
+        self._peak = max(self._peak, peak)
         if self._ledger is not None:
             self._ledger.stop_tracking()
         self._active = False
 
     def _read(self) -> tuple[int, int]:
-        """(peak, net) above the entry level, now."""
+        """(peak, net) above the entry level, now (on CUDA, since the device's peak was last reset)."""
         if self._ledger is None:
             peak = torch.cuda.max_memory_allocated(self.device) - self._start
             return peak, torch.cuda.memory_allocated(self.device) - self._start
@@ -105,7 +114,7 @@ class MemoryProbe:
     @property
     def peak_bytes(self) -> int:
         """Highest live bytes above the entry level, inside the block (so far, while inside)."""
-        return self._read()[0] if self._active else self._peak
+        return max(self._peak, self._read()[0]) if self._active else self._peak
 
     @property
     def net_bytes(self) -> int:

@@ -89,3 +89,41 @@ def test_bad_use_is_a_clear_error() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="needs a CUDA device"):
             MemoryProbe("cuda")
+
+
+class FakeAllocator:
+    """Stands in for torch.cuda's counters, so the CUDA path's arithmetic is tested without a GPU."""
+
+    def __init__(self) -> None:
+        self.allocated = self.peak = 0
+
+    def alloc(self, n: int) -> None:
+        self.allocated += n
+        self.peak = max(self.peak, self.allocated)
+
+    def free(self, n: int) -> None:
+        self.allocated -= n
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+        monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: self.allocated)
+        monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: self.peak)
+        monkeypatch.setattr(
+            torch.cuda, "reset_peak_memory_stats", lambda device=None: setattr(self, "peak", self.allocated)
+        )
+
+
+def test_nested_cuda_probes_keep_the_outer_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeAllocator()
+    fake.install(monkeypatch)
+    fake.alloc(100)  # before the probes
+    with MemoryProbe("cuda:0") as outer:
+        fake.alloc(50)
+        fake.free(50)  # outer's peak: +50, then back
+        with MemoryProbe("cuda:0") as inner:  # resets the device's peak counter
+            fake.alloc(10)
+            fake.free(10)
+        fake.alloc(5)
+    assert (inner.peak_bytes, inner.net_bytes) == (10, 0)
+    assert (outer.peak_bytes, outer.net_bytes) == (50, 5)
