@@ -8,6 +8,10 @@ Probes (usable on any PyTorch code):
 
 Training components:
     EMA                shadow weights averaged in place with one foreach call per group
+    make_target        a frozen copy of a network (own storage, no grad, eval mode)
+    hard_update        target <- online, in place, bit for bit, one foreach call per group
+    soft_update        target <- (1 - tau) target + tau online, in place
+    ReplayBuffer       preallocated transitions written in place, sampled as independent tensors
 
 Lightning callbacks:
     EMACallback          an EMA of the module: updated per optimizer step, evaluated beside it, checkpointed
@@ -22,9 +26,11 @@ from components.ema_callback import EMACallback
 from components.graph_guard import GraphRetentionError, GraphRetentionGuard
 from components.graph_refs import find_graph_refs
 from components.memory_probe import MemoryProbe
+from components.replay import ReplayBuffer
 from components.run_summary import RunSummary
 from components.step_probe import StepProbe
 from components.storage import shares_storage, storage_key
+from components.target import hard_update, make_target, soft_update
 
 __all__ = [
     "EMA",
@@ -33,10 +39,14 @@ __all__ = [
     "GraphRetentionError",
     "GraphRetentionGuard",
     "MemoryProbe",
+    "ReplayBuffer",
     "RunSummary",
     "StepProbe",
     "TensorEvent",
     "find_graph_refs",
+    "hard_update",
+    "make_target",
     "shares_storage",
+    "soft_update",
     "storage_key",
 ]

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from components._module_tensors import TensorRefs, state_entries
+
 __all__ = ["EMA"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -45,18 +47,8 @@ class _Group:
     live_device: torch.device
     live_dtype: torch.dtype
     shadows: list[torch.Tensor] = field(default_factory=list)
-    params: list[torch.Tensor | None] = field(default_factory=list)  # Parameter objects; None for buffers
-    buffers: list[tuple[int, nn.Module, str]] = field(default_factory=list)  # (position, owner, name)
+    live: TensorRefs = field(default_factory=TensorRefs)
     staging: list[torch.Tensor] = field(default_factory=list)  # when shadow and live differ in dtype/device
-
-    def lives(self) -> list[torch.Tensor]:
-        """The model's tensors in shadow order; buffers looked up now, as ``model.to()`` replaces them."""
-        if not self.buffers:
-            return self.params  # type: ignore[return-value]
-        lives = list(self.params)
-        for position, owner, name in self.buffers:
-            lives[position] = owner._buffers[name]
-        return lives  # type: ignore[return-value]
 
 
 class EMA:
@@ -118,24 +110,11 @@ class EMA:
 
     # -- construction -------------------------------------------------------------------------------
 
-    def _entries(self, model: nn.Module) -> Iterator[tuple[str, torch.Tensor, nn.Parameter | None, Any]]:
-        """(state_dict name, tensor, Parameter or None, (module, buffer name) or None), tied tensors once each."""
-        params = {id(p) for p in model.parameters()}
-        owners: dict[str, tuple[nn.Module, str]] = {}
-        for prefix, module in model.named_modules(remove_duplicate=False):
-            for name in module._buffers:
-                owners[f"{prefix}.{name}" if prefix else name] = (module, name)
-        for name, tensor in model.state_dict(keep_vars=True).items():
-            if id(tensor) in params:
-                yield name, tensor, tensor, None  # type: ignore[misc]
-            elif self.include_buffers and name in owners:
-                yield name, tensor, None, owners[name]
-
     def _build(self, model: nn.Module) -> None:
         first_name: dict[int, str] = {}
         groups: dict[tuple, _Group] = {}
         with torch.no_grad():
-            for name, live, param, handle in self._entries(model):
+            for name, live, owner in state_entries(model, self.include_buffers):
                 if id(live) in first_name:  # tied weights share one shadow
                     self.shadow[name] = self.shadow[first_name[id(live)]]
                     continue
@@ -147,10 +126,8 @@ class EMA:
                 self.shadow[name] = shadow
                 key = (shadow.device, shadow.dtype, live.device, live.dtype, average)
                 group = groups.setdefault(key, _Group(average, live.device, live.dtype))
-                if handle is not None:
-                    group.buffers.append((len(group.shadows), *handle))
                 group.shadows.append(shadow)
-                group.params.append(param)
+                group.live.append(live, owner)
                 if shadow.dtype != live.dtype or shadow.device != live.device:
                     group.staging.append(torch.empty_like(shadow))
         self._groups = list(groups.values())
@@ -170,7 +147,7 @@ class EMA:
 
     @staticmethod
     def _checked_lives(group: _Group) -> list[torch.Tensor]:
-        lives = group.lives()
+        lives = group.live.resolve()
         if lives[0].device != group.live_device or lives[0].dtype != group.live_dtype:
             raise RuntimeError(
                 f"the model moved from {group.live_device}/{group.live_dtype} to "

@@ -49,6 +49,9 @@ class RunSummary(pl.Callback):
             "wall_s": round(time.perf_counter() - self._started, 3),
             "checkpoints": {
                 "best": getattr(checkpoint, "best_model_path", "") or None,
+                "best_score": _floats({"score": checkpoint.best_model_score})["score"]
+                if getattr(checkpoint, "best_model_score", None) is not None
+                else None,
                 "last": getattr(checkpoint, "last_model_path", "") or None,
             },
         }

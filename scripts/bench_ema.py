@@ -26,12 +26,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
-from datetime import date
 from pathlib import Path
 
 import torch
@@ -42,9 +38,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from components import EMA  # noqa: E402
-from scripts.bench_report import write_section  # noqa: E402
+from scripts.bench_report import bandwidth_table, measured_on, median_ms, write_section  # noqa: E402
 
 DECAY = 0.999
+OURS = "components.EMA.update"
 
 
 def conv_net(widths: list[tuple[int, int]]) -> nn.Module:
@@ -123,7 +120,7 @@ def contenders(model: nn.Module) -> dict[str, Callable[[], object]]:
         flat_target.copy_(flat_source)
 
     return {
-        "components.EMA.update": lambda: ema.update(model),
+        OURS: lambda: ema.update(model),
         "Lightning EMAWeightAveraging path": lambda: lightning_path.update_parameters(model),
         "AveragedModel + get_ema_multi_avg_fn": lambda: multi.update_parameters(model),
         "timm-style lerp, lists rebuilt": timm_style,
@@ -133,51 +130,15 @@ def contenders(model: nn.Module) -> dict[str, Callable[[], object]]:
     }
 
 
-def median_ms(fns: dict[str, Callable[[], object]], device: torch.device, budget_s: float) -> dict[str, float]:
-    """Interleaved rounds: each round times every contender once over enough calls to take ~budget/rounds."""
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    calls: dict[str, int] = {}
-    for name, fn in fns.items():  # warm up, and size each contender's batch of calls
-        fn()
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        calls[name] = max(1, int(0.02 / max(time.perf_counter() - start, 1e-7)))
-    rounds = max(3, int(budget_s / (0.02 * len(fns))))
-    samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            sync()
-            start = time.perf_counter()
-            for _ in range(calls[name]):
-                fn()
-            sync()
-            samples[name].append((time.perf_counter() - start) / calls[name] * 1e3)
-    return {name: statistics.median(values) for name, values in samples.items()}
-
-
 def table(title: str, model: nn.Module, times: dict[str, float]) -> str:
-    elements = sum(t.numel() for t in model.state_dict().values() if t.is_floating_point())
-    tensors = sum(1 for t in model.state_dict().values() if t.is_floating_point())
-    ours = times["components.EMA.update"]
-    copy_gbs = 8 * elements / (times["plain copy of the same bytes"] * 1e-3) / 1e9
-    lines = [
-        f"**{title}**: {elements / 1e6:.2f}M floating elements in {tensors} tensors "
-        f"({12 * elements / 1e6:.0f} MB moved per update)",
-        "",
-        "| contender | ms per update | time / ours | effective GB/s | % of copy bandwidth |",
-        "| --- | ---: | ---: | ---: | ---: |",
-    ]
-    for name, ms in times.items():
-        per_element = 8 if name.startswith("plain") else 12
-        gbs = per_element * elements / (ms * 1e-3) / 1e9
-        lines.append(f"| {name} | {ms:.3f} | {ms / ours:.2f}x | {gbs:.1f} | {100 * gbs / copy_gbs:.0f}% |")
-    return "\n".join(lines)
+    floats = [t for t in model.state_dict().values() if t.is_floating_point()]
+    elements = sum(t.numel() for t in floats)
+    caption = (
+        f"**{title}**: {elements / 1e6:.2f}M floating elements in {len(floats)} tensors "
+        f"({12 * elements / 1e6:.0f} MB moved per update)"
+    )
+    per_element = {name: 8 if name.startswith("plain") else 12 for name in times}
+    return bandwidth_table(caption, elements, times, per_element, OURS, "plain copy of the same bytes")
 
 
 def main(argv: list[str]) -> int:
@@ -204,11 +165,8 @@ def main(argv: list[str]) -> int:
         times = median_ms(contenders(model), device, budget)
         sections.append(table(title, model, times))
         print(sections[-1], end="\n\n", flush=True)
-    where = f"{device.type}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
-    header = (
-        f"Measured {date.today()} on {where}, {platform.processor() or platform.machine()}, "
-        f"{torch.get_num_threads()} threads, torch {torch.__version__}, with "
-        f"`python scripts/bench_ema.py{' --device ' + args.device if device.type != 'cpu' else ''}`."
+    header = measured_on(
+        device, "python scripts/bench_ema.py" + (f" --device {args.device}" if device.type != "cpu" else "")
     )
     write_section(args.output, f"ema-{device.type}", f"EMA update ({device.type})", header, "\n\n".join(sections))
     print(f"wrote {args.output}")

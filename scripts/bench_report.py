@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import platform
 import re
+import statistics
+import time
+from collections.abc import Callable
+from datetime import date
 from pathlib import Path
+
+import torch
 
 INTRO = """# Benchmarks
 
@@ -23,3 +30,56 @@ def write_section(path: Path, key: str, title: str, header: str, body: str) -> N
     text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip("\n") + f"\n\n{section}\n"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+
+
+def median_ms(fns: dict[str, Callable[[], object]], device: torch.device, budget_s: float) -> dict[str, float]:
+    """Milliseconds per call, median over interleaved rounds (every contender once per round, same load)."""
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    calls: dict[str, int] = {}
+    for name, fn in fns.items():  # warm up, and size each contender's batch of calls to ~20 ms
+        fn()
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        calls[name] = max(1, int(0.02 / max(time.perf_counter() - start, 1e-7)))
+    rounds = max(3, int(budget_s / (0.02 * len(fns))))
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            sync()
+            start = time.perf_counter()
+            for _ in range(calls[name]):
+                fn()
+            sync()
+            samples[name].append((time.perf_counter() - start) / calls[name] * 1e3)
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def bandwidth_table(
+    caption: str, elements: int, times: dict[str, float], bytes_per_element: dict[str, int], ours: str, copy: str
+) -> str:
+    """Markdown: ms, time over ``ours``, effective GB/s and its share of the plain copy's (row ``copy``)."""
+    copy_gbs = bytes_per_element[copy] * elements / (times[copy] * 1e-3) / 1e9
+    lines = [
+        caption,
+        "",
+        "| contender | ms per call | time / ours | effective GB/s | % of copy bandwidth |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for name, ms in times.items():
+        gbs = bytes_per_element[name] * elements / (ms * 1e-3) / 1e9
+        lines.append(f"| {name} | {ms:.4f} | {ms / times[ours]:.2f}x | {gbs:.1f} | {100 * gbs / copy_gbs:.0f}% |")
+    return "\n".join(lines)
+
+
+def measured_on(device: torch.device, command: str) -> str:
+    where = device.type + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
+    return (
+        f"Measured {date.today()} on {where}, {platform.processor() or platform.machine()}, "
+        f"{torch.get_num_threads()} threads, torch {torch.__version__}, with `{command}`."
+    )

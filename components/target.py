@@ -1,0 +1,112 @@
+"""Target networks: a frozen copy of an online network, kept current in place.
+
+Copy contract:
+
+* ``make_target(online)`` deep-copies once: every parameter and buffer gets storage of its own,
+  ``requires_grad=False`` (so no optimizer built from ``parameters()`` with a ``requires_grad`` filter, and
+  no backward, can touch it), eval mode.
+* ``hard_update(target, online)`` and ``soft_update(target, online, tau)`` write into the target's existing
+  storage under ``no_grad`` whatever the caller's grad mode: one ``torch._foreach_copy_`` /
+  ``torch._foreach_lerp_`` per (device, dtype) group over tensor lists built once per (target, online)
+  pair. No allocation, each target tensor's ``_version`` rises by exactly one, nothing is read back to
+  the host. ``hard_update`` is bit-exact, NaN and Inf included. Buffers come along: BatchNorm
+  statistics are copied (hard) or averaged (soft), integer buffers copied.
+* ``load_state_dict`` in the loop does the same copy with a ``state_dict()`` walk, a dict of aliases and
+  a Python loop per call; ``target.data.copy_(tau * q + (1 - tau) * t)`` allocates three temporaries per
+  tensor and bypasses autograd's version checks through ``.data``.
+
+A parent module's ``.train()`` also switches the target to training mode; a recipe that holds the target
+as a submodule keeps it in eval mode (see ``recipes/dqn.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from components._module_tensors import TensorRefs, state_entries
+
+__all__ = ["hard_update", "make_target", "soft_update"]
+
+
+def make_target(online: nn.Module) -> nn.Module:
+    """A frozen deep copy of ``online``: own storage, ``requires_grad=False`` everywhere, eval mode."""
+    if not isinstance(online, nn.Module):
+        raise TypeError(f"online must be an nn.Module, got {type(online).__name__}")
+    target = copy.deepcopy(online)
+    target.requires_grad_(False)
+    return target.eval()
+
+
+def hard_update(target: nn.Module, online: nn.Module) -> None:
+    """Copy every parameter and buffer of ``online`` into ``target``, in place and bit for bit."""
+    with torch.no_grad():
+        for group in _pairs(target, online):
+            torch._foreach_copy_(group.target.resolve(), group.online.resolve())
+
+
+def soft_update(target: nn.Module, online: nn.Module, tau: float) -> None:
+    """``target = (1 - tau) * target + tau * online`` for floating tensors, in place; integer buffers copied.
+
+    ``tau`` must be in (0, 1]; ``tau == 1`` is a hard update.
+    """
+    if not 0.0 < tau <= 1.0:
+        raise ValueError(f"tau must be in (0, 1], got {tau}")
+    with torch.no_grad():
+        for group in _pairs(target, online):
+            if group.average and tau < 1.0:
+                torch._foreach_lerp_(group.target.resolve(), group.online.resolve(), tau)
+            else:
+                torch._foreach_copy_(group.target.resolve(), group.online.resolve())
+
+
+@dataclass
+class _PairGroup:
+    average: bool
+    target: TensorRefs = field(default_factory=TensorRefs)
+    online: TensorRefs = field(default_factory=TensorRefs)
+
+
+_CACHE: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref, list[_PairGroup]]] = weakref.WeakKeyDictionary()
+
+
+def _pairs(target: nn.Module, online: nn.Module) -> list[_PairGroup]:
+    cached = _CACHE.get(target)
+    if cached is not None and cached[0]() is online:
+        return cached[1]
+    groups = _build(target, online)
+    _CACHE[target] = (weakref.ref(online), groups)
+    return groups
+
+
+def _build(target: nn.Module, online: nn.Module) -> list[_PairGroup]:
+    if target is online:
+        raise ValueError("target and online are the same module; make the target with make_target(online)")
+    targets = list(state_entries(target))
+    onlines = list(state_entries(online))
+    for (t_name, t, _), (o_name, o, _) in zip(targets, onlines, strict=False):
+        if t_name != o_name or t.shape != o.shape or t.dtype != o.dtype or t.device != o.device:
+            raise ValueError(
+                f"target and online differ at {t_name!r} / {o_name!r}: target {tuple(t.shape)} {t.dtype} "
+                f"on {t.device}, online {tuple(o.shape)} {o.dtype} on {o.device}"
+            )
+    if len(targets) != len(onlines):
+        longer, name = ("target", targets[len(onlines)][0]) if len(targets) > len(onlines) else (
+            "online", onlines[len(targets)][0])  # fmt: skip
+        raise ValueError(f"target and online differ: only the {longer} has {name!r}")
+    groups: dict[tuple, _PairGroup] = {}
+    seen: set[int] = set()
+    for (_, t, t_owner), (_, o, o_owner) in zip(targets, onlines, strict=True):
+        if id(t) in seen:  # tied weights: once
+            continue
+        seen.add(id(t))
+        if any(t is x for _, x, _ in onlines):
+            raise ValueError("target and online share tensors; make the target with make_target(online)")
+        group = groups.setdefault((t.device, t.dtype), _PairGroup(average=t.is_floating_point()))
+        group.target.append(t, t_owner)
+        group.online.append(o, o_owner)
+    return list(groups.values())

@@ -1,0 +1,249 @@
+"""Recipe ``dqn``: deep Q-learning on CartPole with a target network kept current by in-place copies.
+
+    python train.py +recipe=dqn                      # hard target update every target_update_every steps
+    python train.py +recipe=dqn model.tau=0.005 model.target_update_every=1     # soft (Polyak) updates
+
+What it shows:
+  * The target network is ``make_target(q)``: a frozen copy with storage of its own, no gradients, never in
+    the optimizer, and kept in eval mode even when Lightning switches the module to training mode.
+  * ``hard_update`` / ``soft_update`` write into the target's storage in place: one foreach call per
+    dtype group, no allocation, never ``load_state_dict`` in the loop, never ``.data``.
+  * The bootstrap target ``r + gamma * max Q_target(s')`` is computed under ``no_grad``: no graph through
+    the target network, so no gradient can reach it and no activations of it are kept.
+  * Experience lives in a preallocated ``ReplayBuffer``; samples are independent tensors.
+  * Truncation (CartPole's 500-step limit) is not termination: those transitions still bootstrap.
+
+One Lightning "batch" is one round: ``train_freq`` environment steps, then ``gradient_steps`` updates.
+Greedy evaluation (``eval_episodes`` episodes) every ``eval_every`` environment steps is logged as
+``eval/return``; the run directory gets ``return_curve.png``. DQN runs in one process (``trainer=ddp`` is
+refused): environment steps are sequential, and averaging gradients of ranks that explore differently
+would change the algorithm.
+
+Change first: ``QNetwork`` and the environment id; the defaults follow well-known CartPole settings.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import gymnasium as gym
+import lightning.pytorch as pl
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+from components import ReplayBuffer, hard_update, make_target, soft_update
+
+__all__ = ["CartPoleDQN", "QNetwork"]
+
+SOLVED = 475.0
+
+
+class QNetwork(nn.Module):
+    """An MLP from observations to one value per action."""
+
+    def __init__(self, obs_dim: int, n_actions: int, hidden: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(obs_dim, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, n_actions)
+        )
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        return self.net(obs)
+
+
+class CartPoleDQN(pl.LightningModule):
+    """DQN with a replay buffer and a target network; manual optimisation, several updates per round."""
+
+    def __init__(
+        self,
+        env_id: str = "CartPole-v1",
+        hidden: int = 256,
+        lr: float = 2.3e-3,
+        gamma: float = 0.99,
+        batch_size: int = 64,
+        buffer_size: int = 100_000,
+        learning_starts: int = 1_000,
+        train_freq: int = 256,
+        gradient_steps: int = 128,
+        target_update_every: int = 128,
+        tau: float = 1.0,
+        exploration_fraction: float = 0.16,
+        exploration_final_eps: float = 0.04,
+        total_env_steps: int = 50_000,
+        eval_every: int = 5_000,
+        eval_episodes: int = 10,
+        max_grad_norm: float = 10.0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        for name, value, ok, allowed in [
+            ("gamma", gamma, 0.0 <= gamma <= 1.0, "in [0, 1]"),
+            ("tau", tau, 0.0 < tau <= 1.0, "in (0, 1]"),
+            ("lr", lr, lr > 0.0, "> 0"),
+            ("exploration_fraction", exploration_fraction, 0.0 < exploration_fraction <= 1.0, "in (0, 1]"),
+            ("exploration_final_eps", exploration_final_eps, 0.0 <= exploration_final_eps <= 1.0, "in [0, 1]"),
+        ]:
+            if not ok:
+                raise ValueError(f"model.{name} must be {allowed}, got {value}")
+        for name, value in dict(
+            hidden=hidden, batch_size=batch_size, buffer_size=buffer_size, train_freq=train_freq,
+            gradient_steps=gradient_steps, target_update_every=target_update_every, total_env_steps=total_env_steps,
+            eval_every=eval_every, eval_episodes=eval_episodes,
+        ).items():  # fmt: skip
+            if value < 1:
+                raise ValueError(f"model.{name} must be >= 1, got {value}")
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        self.env = gym.make(env_id)
+        self.eval_env = gym.make(env_id)
+        obs_dim = self.env.observation_space.shape[0]
+        self.q = QNetwork(obs_dim, self.env.action_space.n, hidden)
+        # Copy decision: one deep copy, once. From here on the target is only written in place.
+        self.target = make_target(self.q)
+        self.buffer = ReplayBuffer(buffer_size, (obs_dim,))
+        self.rng = np.random.default_rng(seed)
+        self.sampler = torch.Generator().manual_seed(seed)
+        self.env_steps = 0
+        self.updates = 0
+        self.obs, _ = self.env.reset(seed=seed)
+        self.episode_return = 0.0
+        self.curve: list[tuple[int, float]] = []  # (env step, training episode return)
+        self.evals: list[tuple[int, float]] = []  # (env step, mean greedy return)
+
+    def train(self, mode: bool = True) -> CartPoleDQN:
+        super().train(mode)
+        self.target.eval()  # Copy decision: the target is a frozen snapshot, in eval mode whatever the parent's
+        return self
+
+    def setup(self, stage: str) -> None:
+        if self.trainer.world_size > 1:
+            raise ValueError("recipe dqn runs in one process: use trainer=default, cpu or gpu, not ddp")
+
+    def train_dataloader(self) -> DataLoader:
+        rounds = math.ceil(self.hparams.total_env_steps / self.hparams.train_freq)
+        return DataLoader(range(rounds), batch_size=None)  # a clock: one item per collect-then-train round
+
+    def epsilon(self) -> float:
+        h = self.hparams
+        progress = min(1.0, self.env_steps / max(1.0, h.exploration_fraction * h.total_env_steps))
+        return 1.0 + progress * (h.exploration_final_eps - 1.0)
+
+    def act(self, obs: np.ndarray, epsilon: float) -> int:
+        if self.rng.random() < epsilon:
+            return int(self.rng.integers(self.env.action_space.n))
+        with torch.no_grad():
+            values = self.q(torch.from_numpy(obs).to(self.device).unsqueeze(0))
+        return int(values.argmax(dim=1).item())  # the environment runs on the CPU: one sync per step
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        h = self.hparams
+        for _ in range(h.train_freq):
+            self.collect_one_step()
+            if self.env_steps % h.eval_every == 0:
+                self.evaluate()
+        if len(self.buffer) < h.learning_starts:
+            return
+        optimizer = self.optimizers()
+        for _ in range(h.gradient_steps):
+            loss = self.td_loss(self.buffer.sample(h.batch_size, generator=self.sampler))
+            optimizer.zero_grad(set_to_none=True)
+            self.manual_backward(loss)
+            nn.utils.clip_grad_norm_(self.q.parameters(), h.max_grad_norm)
+            optimizer.step()
+            self.updates += 1
+            if self.updates % h.target_update_every == 0:
+                if h.tau < 1.0:
+                    soft_update(self.target, self.q, h.tau)
+                else:
+                    hard_update(self.target, self.q)
+        self.log("train/td_loss", loss.detach(), prog_bar=True)
+        self.log("train/epsilon", self.epsilon())
+
+    def collect_one_step(self) -> None:
+        action = self.act(self.obs, self.epsilon())
+        next_obs, reward, terminated, truncated, _ = self.env.step(action)
+        # Copy decision: the buffer copies the arrays into its own storage; we keep no reference to them.
+        self.buffer.add(self.obs, action, reward, next_obs, terminated, truncated)
+        self.env_steps += 1
+        self.episode_return += float(reward)
+        self.obs = next_obs
+        if terminated or truncated:
+            self.curve.append((self.env_steps, self.episode_return))
+            self.log("train/episode_return", self.episode_return)
+            self.episode_return = 0.0
+            self.obs, _ = self.env.reset()
+
+    def td_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        with torch.no_grad():  # Copy decision: no graph through the target, so nothing of it is kept
+            next_value = self.target(batch["next_obs"]).max(dim=1).values
+            # truncation is not termination: a truncated transition still bootstraps
+            target = batch["reward"] + self.hparams.gamma * (~batch["terminated"]).float() * next_value
+        value = self.q(batch["obs"]).gather(1, batch["action"].unsqueeze(1)).squeeze(1)
+        return F.smooth_l1_loss(value, target)
+
+    def evaluate(self) -> None:
+        returns = []
+        for episode in range(self.hparams.eval_episodes):
+            obs, _ = self.eval_env.reset(seed=self.hparams.seed + 10_000 + episode)
+            total, done = 0.0, False
+            while not done:
+                obs, reward, terminated, truncated, _ = self.eval_env.step(self.act(obs, epsilon=0.0))
+                total += float(reward)
+                done = terminated or truncated
+            returns.append(total)
+        mean = float(np.mean(returns))
+        self.evals.append((self.env_steps, mean))
+        best = max(value for _, value in self.evals)
+        self.log("eval/return", mean, prog_bar=True)
+        self.log("eval/best_return", best)
+        self.log("env_steps", float(self.env_steps))
+        solved = [step for step, value in self.evals if value >= SOLVED]
+        if solved:
+            self.log("eval/solved_at_step", float(solved[0]))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.q.parameters(), lr=self.hparams.lr, fused=True)  # in place, no temporaries
+
+    def on_train_end(self) -> None:
+        if self.trainer.is_global_zero:
+            plot_returns(self.curve, self.evals, Path(self.trainer.default_root_dir) / "return_curve.png")
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["replay_buffer"] = self.buffer.state_dict()
+        checkpoint["dqn_counters"] = {"env_steps": self.env_steps, "updates": self.updates}
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.buffer.load_state_dict(checkpoint["replay_buffer"])
+        self.env_steps = checkpoint["dqn_counters"]["env_steps"]
+        self.updates = checkpoint["dqn_counters"]["updates"]
+
+
+def plot_returns(curve: list[tuple[int, float]], evals: list[tuple[int, float]], path: Path) -> None:
+    """Training episode returns and greedy evaluation returns against environment steps, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if curve:
+        steps, returns = zip(*curve, strict=True)
+        ax.plot(steps, returns, lw=0.8, alpha=0.6, label="training episodes (epsilon-greedy)")
+    if evals:
+        steps, returns = zip(*evals, strict=True)
+        ax.plot(steps, returns, "o-", label="greedy evaluation (mean of episodes)")
+    ax.axhline(SOLVED, color="grey", ls="--", lw=0.8, label=f"{SOLVED:g}")
+    ax.set_xlabel("environment steps")
+    ax.set_ylabel("episode return")
+    ax.set_title("DQN on CartPole")
+    ax.legend(loc="best", framealpha=0.9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

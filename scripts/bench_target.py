@@ -1,0 +1,154 @@
+"""Benchmark target-network updates against their peers, in one process; write the table to docs/benchmarks.md.
+
+    python scripts/bench_target.py                  # CPU; small RL MLP and a ~24M-parameter conv net
+    python scripts/bench_target.py --device cuda    # the same on a GPU
+    python scripts/bench_target.py --quick --output /tmp/b.md   # smoke run
+
+Hard copy: ``components.hard_update``, ``target.load_state_dict(online.state_dict())`` (Lightning's DQN
+example), a per-tensor ``t.data.copy_(q.data)`` loop, a bare ``_foreach_copy_`` over prebuilt lists.
+Soft (Polyak, tau = 0.005): ``components.soft_update``, per-tensor ``mul_`` then ``add(out=)``
+(stable-baselines3's way), per-tensor ``t.data.copy_(tau * q.data + (1 - tau) * t.data)`` (CleanRL's
+way), a bare ``_foreach_lerp_``. Plus a plain copy of the same bytes as the bandwidth limit. Effective
+bandwidth counts 8 bytes per element for a copy and 12 for a soft update.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from components import hard_update, make_target, soft_update  # noqa: E402
+from recipes.dqn import QNetwork  # noqa: E402
+from scripts.bench_ema import conv_net, large_model  # noqa: E402
+from scripts.bench_report import bandwidth_table, measured_on, median_ms, write_section  # noqa: E402
+
+TAU = 0.005
+
+
+def small_model() -> nn.Module:
+    return QNetwork(4, 2, 256)
+
+
+def contenders(online: nn.Module) -> tuple[dict[str, Callable[[], object]], dict[str, Callable[[], object]]]:
+    target = make_target(online)
+    pairs = list(
+        zip(target.state_dict(keep_vars=True).values(), online.state_dict(keep_vars=True).values(), strict=True)
+    )
+    t_all, q_all = [t for t, _ in pairs], [q for _, q in pairs]
+    t_float, q_float = [t for t, _ in pairs if t.is_floating_point()], [q for _, q in pairs if q.is_floating_point()]
+    t_int, q_int = (
+        [t for t, _ in pairs if not t.is_floating_point()],
+        [q for _, q in pairs if not q.is_floating_point()],
+    )
+    t_params, q_params = list(target.parameters()), list(online.parameters())
+    elements = sum(q.numel() for q in q_all)
+    flat_source = torch.empty(elements, device=q_all[0].device)
+    flat_target = torch.empty_like(flat_source)
+
+    def per_tensor_data_copy() -> None:
+        for t, q in pairs:
+            t.data.copy_(q.data)
+
+    def bare_copy() -> None:
+        with torch.no_grad():
+            torch._foreach_copy_(t_all, q_all)
+
+    def sb3_polyak() -> None:
+        with torch.no_grad():
+            for q, t in zip(q_params, t_params, strict=True):
+                t.data.mul_(1 - TAU)
+                torch.add(t.data, q.data, alpha=TAU, out=t.data)
+
+    def cleanrl() -> None:
+        for t, q in zip(t_params, q_params, strict=True):
+            t.data.copy_(TAU * q.data + (1.0 - TAU) * t.data)
+
+    def bare_lerp() -> None:  # the same work as soft_update: floating state averaged, integer buffers copied
+        with torch.no_grad():
+            torch._foreach_lerp_(t_float, q_float, TAU)
+            if t_int:
+                torch._foreach_copy_(t_int, q_int)
+
+    hard = {
+        "components.hard_update": lambda: hard_update(target, online),
+        "load_state_dict(state_dict())": lambda: target.load_state_dict(online.state_dict()),
+        "per-tensor .data.copy_ loop": per_tensor_data_copy,
+        "bare _foreach_copy_, prebuilt lists": bare_copy,
+        "plain copy of the same bytes": lambda: flat_target.copy_(flat_source),
+    }
+    soft = {
+        "components.soft_update": lambda: soft_update(target, online, TAU),
+        "mul_ + add(out=) per tensor (SB3)": sb3_polyak,
+        "copy_(tau*q + (1-tau)*t) per tensor (CleanRL)": cleanrl,
+        "bare _foreach_lerp_, prebuilt lists": bare_lerp,
+    }
+    return hard, soft
+
+
+def tables(title: str, online: nn.Module, device: torch.device, budget: float) -> str:
+    hard, soft = contenders(online)
+    hard_times = median_ms(hard, device, budget / 2)
+    soft_times = median_ms(soft, device, budget / 2)
+    elements = sum(t.numel() for t in online.state_dict().values())
+    floats = sum(t.numel() for t in online.state_dict().values() if t.is_floating_point())
+    tensors = len(online.state_dict())
+    copy_ms = hard_times["plain copy of the same bytes"]
+    soft_times["plain copy of the same bytes"] = copy_ms * floats / elements
+    hard_caption = f"**{title}, hard update**: {elements / 1e6:.3f}M elements in {tensors} tensors"
+    soft_caption = (
+        f"**{title}, soft update (tau={TAU})**: {floats / 1e6:.3f}M floating elements (SB3's and CleanRL's "
+        "ways update parameters only)"
+    )
+    soft_bytes = {name: 8 if name.startswith("plain") else 12 for name in soft_times}
+    return "\n\n".join(
+        [
+            bandwidth_table(hard_caption, elements, hard_times, dict.fromkeys(hard_times, 8), "components.hard_update",
+                            "plain copy of the same bytes"),
+            bandwidth_table(soft_caption, floats, soft_times, soft_bytes, "components.soft_update",
+                            "plain copy of the same bytes"),
+        ]
+    )  # fmt: skip
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quick", action="store_true", help="small models and a short budget (smoke test)")
+    parser.add_argument("--budget", type=float, default=None, help="seconds of timing per model")
+    parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA GPU; none is available")
+    budget = args.budget if args.budget is not None else (1.0 if args.quick else 16.0)
+    models: dict[str, Callable[[], nn.Module]] = {
+        "small RL MLP (the dqn recipe's QNetwork)": lambda: QNetwork(4, 2, 256)
+    }
+    if args.quick:
+        models["medium conv net"] = lambda: conv_net([(32, 2), (64, 2)])
+    else:
+        models["large conv net"] = large_model
+    sections = []
+    for title, make in models.items():
+        torch.manual_seed(0)
+        sections.append(tables(title, make().to(device), device, budget))
+        print(sections[-1], end="\n\n", flush=True)
+    command = "python scripts/bench_target.py" + (f" --device {args.device}" if device.type != "cpu" else "")
+    write_section(
+        args.output, f"target-{device.type}", f"Target-network updates ({device.type})",
+        measured_on(device, command), "\n\n".join(sections),
+    )  # fmt: skip
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,42 @@
+"""The benchmark scripts run end to end (small sizes) and write their section; no timing is asserted."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize(("script", "key", "first_row"), [
+    ("bench_ema.py", "ema-cpu", "| components.EMA.update |"),
+    ("bench_target.py", "target-cpu", "| components.hard_update |"),
+])  # fmt: skip
+def test_benchmark_writes_its_section_and_keeps_the_others(
+    script: str, key: str, first_row: str, tmp_path: Path
+) -> None:
+    output = tmp_path / "benchmarks.md"
+    output.write_text("# Benchmarks\n\n<!-- other:start -->\nkept\n<!-- other:end -->\n")
+    for _ in range(2):  # the second run replaces the section instead of appending another
+        result = subprocess.run(
+            [sys.executable, f"scripts/{script}", "--quick", "--budget", "0.3", "--output", str(output)],
+            cwd=ROOT, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+    text = output.read_text()
+    assert text.count(f"<!-- {key}:start -->") == 1 and "kept" in text
+    assert first_row in text and "time / ours" in text
+
+
+def test_cuda_mode_without_a_gpu_is_a_clear_error() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    result = subprocess.run(
+        [sys.executable, "scripts/bench_ema.py", "--device", "cuda"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert result.returncode == 2 and "needs a CUDA GPU" in result.stderr

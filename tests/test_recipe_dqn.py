@@ -1,0 +1,99 @@
+"""Recipe `dqn`: the target network stays frozen and current through real training; a short run writes
+its outputs; the default run solves CartPole (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from components import make_target, storage_key
+from recipes.dqn import CartPoleDQN
+from tests.conftest import QUIET, compose_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SHORT = [
+    "model.total_env_steps=1536", "model.learning_starts=512", "model.eval_every=768", "model.eval_episodes=2",
+    "model.gradient_steps=16", "model.target_update_every=16", "model.buffer_size=2048",
+]  # fmt: skip
+
+
+def run_train(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+
+
+def test_target_stays_frozen_current_and_in_its_own_storage_through_training(tmp_path: Path) -> None:
+    trainer, model, _ = train.build(compose_config("+recipe=dqn", *QUIET, *SHORT, output_dir=tmp_path))
+    target_storage = {name: storage_key(t) for name, t in model.target.state_dict().items()}
+    trainer.fit(model)
+    assert model.updates == 5 * 16  # rounds 2..6 of 256 steps trained: learning starts at 512 steps
+    assert not model.target.training and model.q.training  # Lightning's .train() did not thaw the target
+    for p in model.target.parameters():
+        assert not p.requires_grad and p.grad is None and p.grad_fn is None
+    optimized = {id(p) for group in trainer.optimizers[0].param_groups for p in group["params"]}
+    assert optimized == {id(p) for p in model.q.parameters()}
+    assert {name: storage_key(t) for name, t in model.target.state_dict().items()} == target_storage  # in place
+    for name, value in model.q.state_dict().items():  # the last of the 48 updates ended with a hard update
+        assert torch.equal(model.target.state_dict()[name], value), name
+
+
+@pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)` but the `self.trainer`")
+def test_no_gradient_reaches_the_target_and_the_naive_copy_is_the_control() -> None:
+    model = CartPoleDQN(learning_starts=10, seed=0)
+    for _ in range(64):
+        model.collect_one_step()
+    batch = model.buffer.sample(32, generator=torch.Generator().manual_seed(0))
+    model.td_loss(batch).backward()
+    assert all(p.grad is None for p in model.target.parameters())
+    assert all(p.grad is not None for p in model.q.parameters())
+
+    naive = make_target(model.q).requires_grad_(True)  # the control: a plain copy, bootstrap without no_grad
+    next_value = naive(batch["next_obs"]).max(dim=1).values
+    value = model.q(batch["obs"]).gather(1, batch["action"].unsqueeze(1)).squeeze(1)
+    (value - (batch["reward"] + 0.99 * next_value)).square().mean().backward()
+    assert all(p.grad is not None for p in naive.parameters())  # the target would be trained too
+
+
+def test_short_run_writes_summary_curve_and_a_weights_only_checkpoint(tmp_path: Path) -> None:
+    result = run_train("+recipe=dqn", "trainer.enable_progress_bar=false", *SHORT, f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["recipe"] == "dqn"
+    assert {"eval/return", "eval/best_return", "train/episode_return"} <= set(summary["metrics"])
+    assert (tmp_path / "return_curve.png").stat().st_size > 10_000
+    checkpoint = torch.load(summary["checkpoints"]["last"], weights_only=True)
+    assert checkpoint["dqn_counters"]["env_steps"] == 1536
+    assert checkpoint["replay_buffer"]["size"] == 1536
+    assert any(key.startswith("target.") for key in checkpoint["state_dict"])
+
+
+def test_ddp_is_refused_with_a_clear_message(tmp_path: Path) -> None:
+    result = run_train("+recipe=dqn", "trainer=ddp", *SHORT, f"hydra.run.dir={tmp_path}")
+    assert result.returncode != 0
+    assert "recipe dqn runs in one process" in result.stderr
+
+
+def test_bad_hyperparameters_are_rejected() -> None:
+    with pytest.raises(ValueError, match=r"model\.tau must be in \(0, 1\], got 0\.0"):
+        CartPoleDQN(tau=0.0)
+    with pytest.raises(ValueError, match=r"model\.batch_size must be >= 1"):
+        CartPoleDQN(batch_size=0)
+
+
+@pytest.mark.slow
+def test_default_run_solves_cartpole_within_50k_steps(tmp_path: Path) -> None:
+    result = run_train("+recipe=dqn", "seed=0", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = json.loads((tmp_path / "summary.json").read_text())["metrics"]
+    print(f"dqn seed 0: best eval return {metrics['eval/best_return']}, solved at {metrics.get('eval/solved_at_step')}")
+    assert metrics["eval/best_return"] >= 475
+    assert metrics["eval/solved_at_step"] <= 50_000
