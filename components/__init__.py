@@ -12,6 +12,7 @@ Training components:
     hard_update        target <- online, in place, bit for bit, one foreach call per group
     soft_update        target <- (1 - tau) target + tau online, in place
     ReplayBuffer       preallocated transitions written in place, sampled as independent tensors
+    frozen             a block in which a module's parameters do not require grad, flags restored after
 
 Lightning callbacks:
     EMACallback          an EMA of the module: updated per optimizer step, evaluated beside it, checkpointed
@@ -23,6 +24,7 @@ Lightning callbacks:
 from components.copy_audit import CopyAudit, TensorEvent
 from components.ema import EMA
 from components.ema_callback import EMACallback
+from components.freeze import frozen
 from components.graph_guard import GraphRetentionError, GraphRetentionGuard
 from components.graph_refs import find_graph_refs
 from components.memory_probe import MemoryProbe
@@ -44,6 +46,7 @@ __all__ = [
     "StepProbe",
     "TensorEvent",
     "find_graph_refs",
+    "frozen",
     "hard_update",
     "make_target",
     "shares_storage",

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize(("script", "key", "first_row"), [
     ("bench_ema.py", "ema-cpu", "| components.EMA.update |"),
     ("bench_target.py", "target-cpu", "| components.hard_update |"),
+    ("bench_gan.py", "gan-cpu", "| 64, 256 | ours: G once, detach, frozen D |"),
 ])  # fmt: skip
 def test_benchmark_writes_its_section_and_keeps_the_others(
     script: str, key: str, first_row: str, tmp_path: Path
