@@ -41,3 +41,27 @@ def test_cuda_mode_without_a_gpu_is_a_clear_error() -> None:
         [sys.executable, "scripts/bench_ema.py", "--device", "cuda"], cwd=ROOT, capture_output=True, text=True
     )
     assert result.returncode == 2 and "needs a CUDA GPU" in result.stderr
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_writes_a_report(tmp_path: Path) -> None:
+    """The GPU verification script's whole flow, rehearsed on the CPU (about a minute)."""
+    report = tmp_path / "gpu-results.md"
+    result = subprocess.run(
+        [sys.executable, "scripts/gpu_check.py", "--dry-run", "--output", str(report)],
+        cwd=ROOT, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    text = report.read_text()
+    assert "**all steps passed**" in text and "## Benchmarks" in text
+    for recipe in ("metrics", "ema", "gan", "dqn"):
+        assert f"| {recipe} | 0 |" in text
+
+
+def test_gpu_check_refuses_to_run_without_a_gpu() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    result = subprocess.run([sys.executable, "scripts/gpu_check.py"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 2 and "--dry-run" in result.stderr

@@ -79,6 +79,10 @@ def test_hard_update_is_in_place_bit_exact_and_bumps_each_version_once(device: s
     assert w[0, 0].isnan() and w[0, 1].isinf() and torch.equal(w[1:], online[0].weight[1:])
     assert keys(target) == before_keys  # same storage: in place
     assert target[1].num_batches_tracked.item() == 1
+    versions = {name: t._version for name, t in target.state_dict(keep_vars=True).items()}
+    soft_update(target, online, 0.5)
+    assert all(t._version == versions[name] + 1 for name, t in target.state_dict(keep_vars=True).items())
+    assert keys(target) == before_keys
 
 
 @pytest.mark.parametrize("device", DEVICES)

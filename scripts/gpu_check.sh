@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# GPU verification in one run (issue: the GPU evidence is a report committed with the code it measured).
+#
+# On a CUDA machine that has torch, lightning, torchmetrics and scikit-learn but no registry access:
+#   1. copy the pure-Python wheels into the checkout:  cp -r ../shared/wheels wheels   (git-ignored)
+#      (hydra-core, omegaconf, antlr4-python3-runtime, gymnasium, farama-notifications; to prepare them
+#      elsewhere: pip download --no-deps --only-binary=:all: -d wheels hydra-core==1.3.8 omegaconf==2.3.1
+#      gymnasium==1.4.0 farama-notifications==0.0.6, plus antlr4-python3-runtime==4.9.3 built as a wheel)
+#   2. bash scripts/gpu_check.sh            -> docs/gpu-results.md; exit 1 if a test or recipe run failed
+# Nothing is fetched from the network. Extra arguments go to scripts/gpu_check.py (e.g. --dry-run);
+# PYTHON=path/to/python picks the interpreter (default python3).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if compgen -G "wheels/*.whl" > /dev/null; then
+  "${PYTHON:-python3}" -m pip install -q --no-index --no-deps --target /tmp/gpu-check-site wheels/*.whl
+  export PYTHONPATH="/tmp/gpu-check-site:${PYTHONPATH:-}"
+fi
+export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+exec "${PYTHON:-python3}" scripts/gpu_check.py "$@"
