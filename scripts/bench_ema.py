@@ -24,7 +24,6 @@ update can reach more than 100% of the copy's effective figure.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
 from collections.abc import Callable
@@ -38,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from components import EMA  # noqa: E402
-from scripts.bench_report import bandwidth_table, measured_on, median_ms, write_section  # noqa: E402
+from scripts.bench_report import bandwidth_table, measured_on, median_ms, parse_args, write_section  # noqa: E402
 
 DECAY = 0.999
 OURS = "components.EMA.update"
@@ -142,16 +141,7 @@ def table(title: str, model: nn.Module, times: dict[str, float]) -> str:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--quick", action="store_true", help="small models and a short budget (smoke test)")
-    parser.add_argument("--budget", type=float, default=None, help="seconds of timing per model")
-    parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda needs a CUDA GPU; none is available")
-    budget = args.budget if args.budget is not None else (1.0 if args.quick else 20.0)
+    args, device, budget = parse_args(__doc__, argv, 20.0, ROOT / "docs" / "benchmarks.md")
     models = {"small model (digits MLP)": small_model}
     if args.quick:
         models["medium model (conv net)"] = lambda: conv_net([(32, 2), (64, 2)])

@@ -14,7 +14,6 @@ start (``MemoryProbe``).
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 from components import MemoryProbe, frozen  # noqa: E402
 from components._storage_events import human_bytes  # noqa: E402
 from recipes.gan import Discriminator, Generator, _bce, discriminator_loss  # noqa: E402
-from scripts.bench_report import measured_on, median_ms, write_section  # noqa: E402
+from scripts.bench_report import command_line, measured_on, median_ms, parse_args, write_section  # noqa: E402
 
 LATENT = 32
 
@@ -71,16 +70,7 @@ def peak_bytes(step: Callable[[], object], device: torch.device) -> int:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--budget", type=float, default=None, help="seconds of timing per configuration")
-    parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda needs a CUDA GPU; none is available")
-    budget = args.budget if args.budget is not None else (0.5 if args.quick else 10.0)
+    args, device, budget = parse_args(__doc__, argv, 10.0, ROOT / "docs" / "benchmarks.md")
     configs = [(64, 256)] if args.quick else [(64, 256), (512, 1024)]
     lines = [
         "| batch, hidden | step | ms per step | time / ours | peak memory in the step |",
@@ -95,7 +85,7 @@ def main(argv: list[str]) -> int:
             lines.append(f"| {batch}, {hidden} | {name} | {times[name]:.3f} | {times[name] / ours:.2f}x | {peak} |")
     table = "\n".join(lines)
     print(table)
-    command = "python scripts/bench_gan.py" + (f" --device {args.device}" if device.type != "cpu" else "")
+    command = command_line("bench_gan.py", device)
     write_section(
         args.output, f"gan-{device.type}", f"GAN training step ({device.type})", measured_on(device, command), table
     )

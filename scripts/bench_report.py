@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import platform
 import re
 import statistics
@@ -83,3 +84,24 @@ def measured_on(device: torch.device, command: str) -> str:
         f"Measured {date.today()} on {where}, {platform.processor() or platform.machine()}, "
         f"{torch.get_num_threads()} threads, torch {torch.__version__}, with `{command}`."
     )
+
+
+def parse_args(
+    doc: str, argv: list[str], full_budget: float, default_output: Path
+) -> tuple[argparse.Namespace, torch.device, float]:
+    """The options every benchmark takes: --device, --quick, --budget, --output; exits 2 on a missing GPU."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quick", action="store_true", help="small sizes and a short budget (smoke test)")
+    parser.add_argument("--budget", type=float, default=None, help="seconds of timing per configuration")
+    parser.add_argument("--output", type=Path, default=default_output)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda needs a CUDA GPU; none is available")
+    budget = args.budget if args.budget is not None else (0.5 if args.quick else full_budget)
+    return args, device, budget
+
+
+def command_line(script: str, device: torch.device) -> str:
+    return f"python scripts/{script}" + (f" --device {device}" if device.type != "cpu" else "")

@@ -14,7 +14,6 @@ bandwidth counts 8 bytes per element for a copy and 12 for a soft update.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 from components import hard_update, make_target, soft_update  # noqa: E402
 from recipes.dqn import QNetwork  # noqa: E402
 from scripts.bench_ema import conv_net, large_model  # noqa: E402
-from scripts.bench_report import bandwidth_table, measured_on, median_ms, write_section  # noqa: E402
+from scripts.bench_report import bandwidth_table, command_line, measured_on, median_ms, parse_args, write_section  # noqa: E402
 
 TAU = 0.005
 
@@ -119,16 +118,7 @@ def tables(title: str, online: nn.Module, device: torch.device, budget: float) -
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--quick", action="store_true", help="small models and a short budget (smoke test)")
-    parser.add_argument("--budget", type=float, default=None, help="seconds of timing per model")
-    parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda needs a CUDA GPU; none is available")
-    budget = args.budget if args.budget is not None else (1.0 if args.quick else 16.0)
+    args, device, budget = parse_args(__doc__, argv, 16.0, ROOT / "docs" / "benchmarks.md")
     models: dict[str, Callable[[], nn.Module]] = {
         "small RL MLP (the dqn recipe's QNetwork)": lambda: QNetwork(4, 2, 256)
     }
@@ -141,7 +131,7 @@ def main(argv: list[str]) -> int:
         torch.manual_seed(0)
         sections.append(tables(title, make().to(device), device, budget))
         print(sections[-1], end="\n\n", flush=True)
-    command = "python scripts/bench_target.py" + (f" --device {args.device}" if device.type != "cpu" else "")
+    command = command_line("bench_target.py", device)
     write_section(
         args.output, f"target-{device.type}", f"Target-network updates ({device.type})",
         measured_on(device, command), "\n\n".join(sections),

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +14,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+ROOT = Path(__file__).resolve().parents[1]
+CONF_DIR = ROOT / "conf"
 QUIET = ("trainer.enable_progress_bar=false", "trainer.enable_model_summary=false")
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -39,3 +43,11 @@ def compose_config(*overrides: str, output_dir: Path) -> DictConfig:
     """The config ``train.py`` would build for these overrides, writing into ``output_dir``."""
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         return compose("config", overrides=[f"paths.output_dir={output_dir}", *overrides])
+
+
+def run_train(*args: str, timeout: int = 900) -> subprocess.CompletedProcess[str]:
+    """``python train.py ARGS`` in a subprocess from the repository root, output captured."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip

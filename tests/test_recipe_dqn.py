@@ -4,9 +4,6 @@ its outputs; the default run solves CartPole (slow)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,20 +12,12 @@ import torch
 import train
 from components import make_target, storage_key
 from recipes.dqn import CartPoleDQN
-from tests.conftest import QUIET, compose_config
+from tests.conftest import QUIET, compose_config, run_train
 
-ROOT = Path(__file__).resolve().parents[1]
 SHORT = [
     "model.total_env_steps=1536", "model.learning_starts=512", "model.eval_every=768", "model.eval_episodes=2",
     "model.gradient_steps=16", "model.target_update_every=16", "model.buffer_size=2048",
 ]  # fmt: skip
-
-
-def run_train(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=900,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
 
 
 def test_target_stays_frozen_current_and_in_its_own_storage_through_training(tmp_path: Path) -> None:

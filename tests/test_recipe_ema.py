@@ -4,23 +4,15 @@ nothing and the loop keeps no memory; the shadow never joins the model or the op
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import train
 from components import EMACallback, StepProbe, shares_storage
-from tests.conftest import QUIET, compose_config
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import QUIET, compose_config, run_train
 
 
 def test_default_run_ema_accuracy_at_least_live(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "train.py", "+recipe=ema", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+    result = run_train("+recipe=ema", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     live, ema = summary["metrics"]["val/acc"], summary["metrics"]["val/acc_ema"]

@@ -4,9 +4,6 @@ generator forward per step, the memory the detach saves, outputs and sample qual
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +14,7 @@ import torch
 from components import MemoryProbe
 from recipes.digits import DigitsDataModule
 from recipes.gan import DigitsGAN, Discriminator, Generator, _bce, discriminator_loss
-from tests.conftest import DEVICES
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.conftest import DEVICES, run_train
 
 
 class StepInspector(pl.Callback):
@@ -107,10 +102,7 @@ def test_short_run_writes_samples_and_summary(tmp_path: Path) -> None:
         "+recipe=gan", "trainer.max_epochs=2", "trainer.check_val_every_n_epoch=1", "model.eval_samples=200",
         "model.judge_epochs=2", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}",
     ]  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+    result = run_train(*args)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert {"quality/confidence_ema", "quality/fid_ema", "quality/fid_floor", "quality/confidence"} <= set(
@@ -122,10 +114,7 @@ def test_short_run_writes_samples_and_summary(tmp_path: Path) -> None:
 
 
 def test_default_run_samples_are_confident_and_cover_every_class(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, "train.py", "+recipe=gan", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+    result = run_train("+recipe=gan", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     m = summary["metrics"]

@@ -4,26 +4,16 @@ from __future__ import annotations
 
 import csv
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from hydra.utils import instantiate
 
 import train
-from tests.conftest import compose_config
+from tests.conftest import compose_config, run_train
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["trainer.max_epochs=2", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
-
-
-def run_train(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
-    )
 
 
 def test_no_recipe_exits_2_listing_recipes() -> None:
