@@ -85,7 +85,7 @@ def main(argv: list[str]) -> int:
             lines.append(f"| {batch}, {hidden} | {name} | {times[name]:.3f} | {times[name] / ours:.2f}x | {peak} |")
     table = "\n".join(lines)
     print(table)
-    command = command_line("bench_gan.py", device)
+    command = command_line("bench_gan.py", args)
     write_section(
         args.output, f"gan-{device.type}", f"GAN training step ({device.type})", measured_on(device, command), table
     )

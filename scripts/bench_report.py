@@ -103,5 +103,8 @@ def parse_args(
     return args, device, budget
 
 
-def command_line(script: str, device: torch.device) -> str:
-    return f"python scripts/{script}" + (f" --device {device}" if device.type != "cpu" else "")
+def command_line(script: str, args: argparse.Namespace) -> str:
+    """The command that reproduces a run, with the options that change what is measured."""
+    device = f" --device {args.device}" if torch.device(args.device).type != "cpu" else ""
+    budget = f" --budget {args.budget:g}" if args.budget is not None else ""
+    return f"python scripts/{script}{device}{budget}"

@@ -131,7 +131,7 @@ def main(argv: list[str]) -> int:
         torch.manual_seed(0)
         sections.append(tables(title, make().to(device), device, budget))
         print(sections[-1], end="\n\n", flush=True)
-    command = command_line("bench_target.py", device)
+    command = command_line("bench_target.py", args)
     write_section(
         args.output, f"target-{device.type}", f"Target-network updates ({device.type})",
         measured_on(device, command), "\n\n".join(sections),
