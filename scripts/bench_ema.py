@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from components import EMA  # noqa: E402
-from scripts.bench_report import bandwidth_table, measured_on, median_ms, parse_args, write_section  # noqa: E402
+from scripts.bench_report import bandwidth_table, command_line, measured_on, median_ms, parse_args, write_section  # noqa: E402
 
 DECAY = 0.999
 OURS = "components.EMA.update"
@@ -155,9 +155,7 @@ def main(argv: list[str]) -> int:
         times = median_ms(contenders(model), device, budget)
         sections.append(table(title, model, times))
         print(sections[-1], end="\n\n", flush=True)
-    header = measured_on(
-        device, "python scripts/bench_ema.py" + (f" --device {args.device}" if device.type != "cpu" else "")
-    )
+    header = measured_on(device, command_line("bench_ema.py", args))
     write_section(args.output, f"ema-{device.type}", f"EMA update ({device.type})", header, "\n\n".join(sections))
     print(f"wrote {args.output}")
     return 0
