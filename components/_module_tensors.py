@@ -44,9 +44,6 @@ class TensorRefs:
             self._buffers.append((len(self._tensors), *owner))
         self._tensors.append(tensor)
 
-    def __len__(self) -> int:
-        return len(self._tensors)
-
     def resolve(self) -> list[torch.Tensor]:
         if not self._buffers:
             return self._tensors

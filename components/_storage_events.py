@@ -91,13 +91,13 @@ def _storage_of(t: torch.Tensor) -> torch.UntypedStorage | None:
         return None
 
 
-def _caller(skip_torch: bool = True) -> str | None:
+def _caller() -> str | None:
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
         stdlib = name.startswith(_STDLIB) and "site-packages" not in name
         inside = name in _OWN_FILES or stdlib
-        if not inside and not (skip_torch and _TORCH_DIR in name):
+        if not inside and _TORCH_DIR not in name:
             return f"{name}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back
     return None

@@ -30,6 +30,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
+from components._module_tensors import TensorRefs, state_entries
 from components.ema import EMA
 
 __all__ = ["EMACallback"]
@@ -77,7 +78,7 @@ class EMACallback(pl.Callback):
         self._pending: dict[str, Any] | None = None
         self._last_step = 0
         self._wrapped: list[Any] = []
-        self._flat: torch.Tensor | None = None
+        self._broadcast: list[tuple[TensorRefs, torch.Tensor, list[torch.Tensor]]] | None = None
 
     @property
     def state_key(self) -> str:
@@ -141,21 +142,18 @@ class EMACallback(pl.Callback):
 
     def _buffers_from_rank_zero(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Under DDP each rank's forward updates its own BatchNorm statistics; DDP copies rank 0's to all
-        ranks only at the next forward. Doing that now (one broadcast through a flat buffer made once)
-        gives every rank the same buffers to average, so the shadows stay identical."""
+        ranks only at the next forward. Doing that now gives every rank the same buffers to average, so
+        the shadows stay identical: one broadcast per dtype through a flat tensor, all built once."""
         if trainer.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
             return
-        buffers = [b for b in pl_module.buffers() if b.is_floating_point()]
-        if not buffers:
-            return
-        total = sum(b.numel() for b in buffers)
-        if self._flat is None or self._flat.numel() != total or self._flat.dtype != buffers[0].dtype:
-            self._flat = torch.empty(total, dtype=buffers[0].dtype, device=buffers[0].device)
-        views = [v.view_as(b) for v, b in zip(self._flat.split([b.numel() for b in buffers]), buffers, strict=True)]
+        if self._broadcast is None:
+            self._broadcast = _flat_buffers(pl_module)
         with torch.no_grad():
-            torch._foreach_copy_(views, buffers)
-            dist.broadcast(self._flat, src=0)
-            torch._foreach_copy_(buffers, views)
+            for refs, flat, views in self._broadcast:
+                buffers = refs.resolve()
+                torch._foreach_copy_(views, buffers)
+                dist.broadcast(flat, src=0)
+                torch._foreach_copy_(buffers, views)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.ema_weights_at_end and self.ema is not None:
@@ -175,6 +173,23 @@ class EMACallback(pl.Callback):
             self._pending = state_dict["ema"]
         else:
             self.ema.load_state_dict(state_dict["ema"])
+
+
+def _flat_buffers(module: torch.nn.Module) -> list[tuple[TensorRefs, torch.Tensor, list[torch.Tensor]]]:
+    """Per (dtype, device): the floating buffers' refs, one flat tensor, and views of it shaped like them."""
+    groups: dict[tuple, list[tuple[torch.Tensor, tuple]]] = {}
+    for _, tensor, owner in state_entries(module):
+        if owner is not None and tensor.is_floating_point():
+            groups.setdefault((tensor.dtype, tensor.device), []).append((tensor, owner))
+    out = []
+    for (dtype, device), members in groups.items():
+        refs = TensorRefs()
+        for tensor, owner in members:
+            refs.append(tensor, owner)
+        flat = torch.empty(sum(t.numel() for t, _ in members), dtype=dtype, device=device)
+        views = [v.view_as(t) for v, (t, _) in zip(flat.split([t.numel() for t, _ in members]), members, strict=True)]
+        out.append((refs, flat, views))
+    return out
 
 
 @contextmanager

@@ -5,7 +5,7 @@ exception) every parameter gets back the flag it had on entry, mixed flags inclu
 
 Inside the block a forward through the module still builds a graph for its *inputs*, so gradients flow
 through it to whatever produced them (the generator, in a GAN's generator step), but backward writes no
-``.grad`` into the module's parameters and saves no tensors needed only for their gradients.
+``.grad`` into the module's parameters.
 """
 
 from __future__ import annotations
