@@ -2,12 +2,26 @@
 
 Builds everything from the Hydra config (``conf/config.yaml`` plus ``conf/recipe/NAME.yaml``), trains,
 and leaves in the run directory: ``metrics.csv``, ``checkpoints/``, ``summary.json`` and Hydra's
-``.hydra/`` (the resolved config). A bad recipe name or hyperparameter stops before training with exit
-status 2 and one line that names the key and what is allowed.
+``.hydra/`` (the resolved config).
+
+Resume after a crash: the same command again, plus ``ckpt_path=`` the crashed run's directory (its
+``checkpoints/last.ckpt``) or a checkpoint file::
+
+    python train.py +recipe=ema seed=1 ckpt_path=outputs/ema/2025-01-31_12-00-00
+
+The run continues in a new run directory and only reads the old one; it ends in the state the
+uninterrupted run would have reached, bit for bit on CPU (``tests/test_resume_recipes.py``).
+
+Bad input stops before training, writing no checkpoint and nothing into an earlier run, with exit status 2
+and one line that names the key and what is allowed: no or an unknown recipe, a key the config does not
+have or an unknown group option (both checked before Hydra makes a run directory), an out-of-range value
+(checked where it is used, named by its config key), a ``ckpt_path`` that is missing, not a checkpoint, or
+another recipe's or seed's.
 """
 
 from __future__ import annotations
 
+import difflib
 import re
 import sys
 import warnings
@@ -15,7 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import hydra
-from omegaconf import DictConfig
+from hydra.core.override_parser.types import ValueType
+from omegaconf import DictConfig, OmegaConf
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -23,6 +38,7 @@ if TYPE_CHECKING:
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 _RECIPE_ARG = re.compile(r"^\+{0,2}recipe=(?P<names>.*)$")
 _HELP_FLAGS = {"-h", "--help", "--hydra-help", "--info", "-i"}
+_OTHER_CONFIG_FLAGS = ("-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir", "--experimental-rerun")
 
 # Expected, not actionable: Hydra's run directory already holds .hydra/ when the CSV logger opens it, and
 # Lightning 2.6 calls a torch pytree API that torch 2.13 deprecates.
@@ -50,31 +66,118 @@ def recipe_argument_error(argv: list[str]) -> str | None:
     return None
 
 
+def override_error(argv: list[str]) -> str | None:
+    """The one-line complaint about an override in ``argv`` that the config cannot take (bad syntax, a key it
+    does not have, an unknown group option), or None. A sweep is checked with its first value."""
+    if _HELP_FLAGS.intersection(argv) or any(a.split("=")[0] in _OTHER_CONFIG_FLAGS for a in argv):
+        return None
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException, MissingConfigException
+    from omegaconf.errors import OmegaConfBaseException
+
+    parser, overrides = OverridesParser.create(), []
+    for arg in (a for a in argv if not a.startswith("-") and ("=" in a or a.startswith("~"))):  # not flag values
+        try:
+            (override,) = parser.parse_overrides([arg])
+        except HydraException as err:
+            return f"cannot read the override {arg!r}: {str(err).splitlines()[0]} (Hydra's override syntax)"
+        if not override.is_sweep_override():
+            overrides.append(arg)
+        elif override.value_type in (ValueType.SIMPLE_CHOICE_SWEEP, ValueType.RANGE_SWEEP):
+            overrides.append(f"{override.get_key_element()}={next(override.sweep_string_iterator())}")
+    try:
+        with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+            compose("config", overrides=overrides)
+    except MissingConfigException as err:
+        group = (err.missing_cfg_file or "").rpartition("/")[0]
+        if group and err.options:
+            return f"no option {err.missing_cfg_file!r}: {group} must be one of: {', '.join(err.options)}"
+        return " ".join(str(err).split())
+    except HydraException as err:
+        cause = err.__cause__
+        if isinstance(cause, OmegaConfBaseException) and cause.full_key and cause.parent_node is not None:
+            return _unknown_key(cause.full_key, [str(k) for k in cause.parent_node])
+        return " ".join(str(err).splitlines()[0].split())
+    return None
+
+
+def _unknown_key(full_key: str, siblings: list[str]) -> str:
+    parent, _, key = full_key.rpartition(".")
+    near = difflib.get_close_matches(key, siblings, n=1)
+    hint = f" (did you mean {parent + '.' if parent else ''}{near[0]}?)" if near else ""
+    where = f"of {parent}" if parent else "at the top"
+    return (
+        f"{full_key} is not a config key{hint}; the keys {where} are: {', '.join(siblings)}; "
+        f"to add a new key, write +{full_key}=..."
+    )
+
+
+def checkpoint_to_resume(cfg: DictConfig) -> str | None:
+    """``cfg.ckpt_path`` as a checkpoint file this run can resume from (a run directory means its
+    ``checkpoints/last.ckpt``), or None; ``ValueError`` naming ``ckpt_path`` when there is no such file or it
+    holds another recipe's or seed's run."""
+    value = cfg.get("ckpt_path")
+    if value is None:
+        return None
+    path = Path(str(value))
+    if path.is_dir():
+        path = path / "checkpoints" / "last.ckpt"
+    if not path.is_file():
+        raise ValueError(f"ckpt_path must be a checkpoint file or a run directory with checkpoints/last.ckpt: {value}")
+    from components import check_checkpoint
+
+    try:
+        check_checkpoint(path, cfg.recipe.name, cfg.get("seed"))
+    except ValueError as err:
+        raise ValueError(f"ckpt_path {str(path)!r} cannot resume this run: {err}") from err
+    return str(path)
+
+
+def _instantiate(cfg: DictConfig, key: str, **kwargs: Any) -> Any:
+    """``instantiate(cfg[key])``; a ``ValueError`` about one of its arguments is re-raised naming the config key
+    (``decay must be ...`` from ``callbacks.ema`` becomes ``callbacks.ema.decay must be ...``)."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    node = OmegaConf.select(cfg, key)
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as err:
+        cause = err.__cause__
+        if not isinstance(cause, ValueError):
+            raise
+        message = str(cause)
+        if message.split(" ", 1)[0] in node:
+            message = f"{key}.{message}"
+        raise ValueError(message) from cause
+
+
 def build(cfg: DictConfig) -> tuple[pl.Trainer, pl.LightningModule, pl.LightningDataModule | None]:
     """Seed, then instantiate the datamodule, model, callbacks, loggers and trainer named in ``cfg``."""
     import lightning.pytorch as pl
-    from hydra.utils import instantiate
 
-    pl.seed_everything(cfg.seed, workers=True)
-    datamodule = instantiate(cfg.data) if cfg.get("data") is not None else None
-    model = instantiate(cfg.model)
-    callbacks = [instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
-    loggers = [instantiate(c) for c in (cfg.get("logger") or {}).values() if c is not None]
-    trainer = instantiate(cfg.trainer, callbacks=callbacks, logger=loggers or False)
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)  # the seed is in .hydra/config.yaml and summary.json
+    datamodule = _instantiate(cfg, "data") if cfg.get("data") is not None else None
+    model = _instantiate(cfg, "model")
+    callbacks = [_instantiate(cfg, f"callbacks.{k}") for k, c in (cfg.get("callbacks") or {}).items() if c is not None]
+    loggers = [_instantiate(cfg, f"logger.{k}") for k, c in (cfg.get("logger") or {}).items() if c is not None]
+    trainer = _instantiate(cfg, "trainer", callbacks=callbacks, logger=loggers or False)
     return trainer, model, datamodule
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
-    """Build, fit, and return the final logged metrics as floats."""
+    """Check ``ckpt_path``, build, fit, and return the final logged metrics as floats."""
     from hydra.errors import InstantiationException
 
     try:
+        ckpt_path = checkpoint_to_resume(cfg)
         trainer, model, datamodule = build(cfg)
     except (InstantiationException, ValueError) as err:
         cause = err.__cause__ if isinstance(err, InstantiationException) and err.__cause__ else err
         print(f"error: {cause}", file=sys.stderr)
         sys.exit(2)
-    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     if trainer.is_global_zero:
         print(f"outputs: {cfg.paths.output_dir} (metrics.csv, checkpoints/, summary.json)")
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -90,7 +193,7 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
-    problem = recipe_argument_error(sys.argv[1:])
+    problem = recipe_argument_error(sys.argv[1:]) or override_error(sys.argv[1:])
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)

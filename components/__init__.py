@@ -12,23 +12,34 @@ Training components:
     hard_update        target <- online, in place, bit for bit, one foreach call per group
     soft_update        target <- (1 - tau) target + tau online, in place
     ReplayBuffer       preallocated transitions written in place, sampled as independent tensors
+    GradientAverager   a parameter list's gradients averaged over processes, one collective per dtype
     frozen             a block in which a module's parameters do not require grad, flags restored after
+    DevicePrefetcher   batches on the device, the next one's copy overlapping compute on a side stream
+    DeviceDataLoader   a DataLoader whose iterator is a DevicePrefetcher (DDP samplers still injected)
+    make_loader        a loader that pins only for an accelerator, with or without the prefetcher
 
 Lightning callbacks:
     EMACallback          an EMA of the module: updated per optimizer step, evaluated beside it, checkpointed
+    DataWaitMonitor      logs samples per second and the share of time spent waiting for batches
     GraphRetentionGuard  fails a run the step a graph leaks into outputs, attributes or metric states
+    ResumeState          global RNG states, recipe and seed in every checkpoint: exact resume, foreign ones refused
     RunSummary           writes ``summary.json`` (final metrics, recipe, seed) into the run directory
     StepProbe            audits one training batch's copies and measures memory growth per batch
 """
 
 from components.copy_audit import CopyAudit, TensorEvent
+from components.data_wait import DataWaitMonitor
+from components.device_loader import DeviceDataLoader, make_loader
 from components.ema import EMA
 from components.ema_callback import EMACallback
 from components.freeze import frozen
+from components.grad_average import GradientAverager
 from components.graph_guard import GraphRetentionError, GraphRetentionGuard
 from components.graph_refs import find_graph_refs
 from components.memory_probe import MemoryProbe
+from components.prefetch import DevicePrefetcher, map_tensors
 from components.replay import ReplayBuffer
+from components.resume import ResumeState, check_checkpoint
 from components.run_summary import RunSummary
 from components.step_probe import StepProbe
 from components.storage import shares_storage, storage_key
@@ -38,17 +49,25 @@ __all__ = [
     "EMA",
     "EMACallback",
     "CopyAudit",
+    "DataWaitMonitor",
+    "DeviceDataLoader",
+    "DevicePrefetcher",
+    "GradientAverager",
     "GraphRetentionError",
     "GraphRetentionGuard",
     "MemoryProbe",
     "ReplayBuffer",
+    "ResumeState",
     "RunSummary",
     "StepProbe",
     "TensorEvent",
+    "check_checkpoint",
     "find_graph_refs",
     "frozen",
     "hard_update",
+    "make_loader",
     "make_target",
+    "map_tensors",
     "shares_storage",
     "soft_update",
     "storage_key",

@@ -30,6 +30,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
+from components._flat import flat_views
 from components._module_tensors import TensorRefs, state_entries
 from components.ema import EMA
 
@@ -182,13 +183,11 @@ def _flat_buffers(module: torch.nn.Module) -> list[tuple[TensorRefs, torch.Tenso
         if owner is not None and tensor.is_floating_point():
             groups.setdefault((tensor.dtype, tensor.device), []).append((tensor, owner))
     out = []
-    for (dtype, device), members in groups.items():
+    for members in groups.values():
         refs = TensorRefs()
         for tensor, owner in members:
             refs.append(tensor, owner)
-        flat = torch.empty(sum(t.numel() for t, _ in members), dtype=dtype, device=device)
-        views = [v.view_as(t) for v, (t, _) in zip(flat.split([t.numel() for t, _ in members]), members, strict=True)]
-        out.append((refs, flat, views))
+        out.append((refs, *flat_views([t for t, _ in members])))
     return out
 
 

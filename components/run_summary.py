@@ -52,11 +52,23 @@ class RunSummary(pl.Callback):
                 "best_score": _floats({"score": checkpoint.best_model_score})["score"]
                 if getattr(checkpoint, "best_model_score", None) is not None
                 else None,
-                "last": getattr(checkpoint, "last_model_path", "") or None,
+                "last": _last_checkpoint(trainer),
             },
         }
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.path.write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def _last_checkpoint(trainer: pl.Trainer) -> str | None:
+    """The newest checkpoint kept: a checkpoint callback's ``last_model_path``, or the file of one without a
+    monitor (its top 1 is the newest)."""
+    for callback in trainer.checkpoint_callbacks:
+        path = getattr(callback, "last_model_path", "")
+        if not path and getattr(callback, "monitor", "") is None:
+            path = getattr(callback, "best_model_path", "")
+        if path:
+            return path
+    return None
 
 
 def _floats(metrics: dict[str, Any]) -> dict[str, float | None]:

@@ -7,6 +7,10 @@ collate step, so training can never write into the data set.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+from typing import Any
+
 import lightning.pytorch as pl
 import numpy as np
 import torch
@@ -16,12 +20,26 @@ from torch.utils.data import DataLoader, TensorDataset
 
 __all__ = ["DigitsDataModule", "load_digits_split"]
 
+NUM_CLASSES = 10
+
 
 def load_digits_split(val_fraction: float = 0.2, seed: int = 0) -> tuple[TensorDataset, TensorDataset]:
-    """Stratified train/validation split; pixels scaled to [0, 1], flattened to 64 features."""
+    """Stratified train/validation split; pixels scaled to [0, 1], flattened to 64 features.
+
+    Each split must hold at least one digit of every class: a ``val_fraction`` that leaves fewer (an empty
+    split, say) raises ``ValueError`` naming the range that works.
+    """
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
     images, labels = load_digits(return_X_y=True)
+    n = len(images)
+    n_val = math.ceil(val_fraction * n)  # scikit-learn's rounding
+    if min(n_val, n - n_val) < NUM_CLASSES:
+        raise ValueError(
+            f"data.val_fraction={val_fraction} leaves {n_val} validation and {n - n_val} training digits; each split "
+            f"needs one per class ({NUM_CLASSES}): val_fraction must be in ({(NUM_CLASSES - 1) / n:.4g}, "
+            f"{(n - NUM_CLASSES) / n:.4g}]"
+        )
     x_train, x_val, y_train, y_val = train_test_split(
         (images / 16.0).astype(np.float32),
         labels.astype(np.int64),
@@ -36,7 +54,13 @@ def load_digits_split(val_fraction: float = 0.2, seed: int = 0) -> tuple[TensorD
 
 
 class DigitsDataModule(pl.LightningDataModule):
-    """Train and validation loaders over ``load_digits_split``; the training order is seeded."""
+    """Train and validation loaders over ``load_digits_split``; the training order is seeded and resumable.
+
+    The split is made here, so a bad ``val_fraction`` stops the run before training. The training order
+    comes from one generator seeded here and drawn once per epoch; its state is the module's
+    ``state_dict``, so a run resumed from an end-of-epoch checkpoint shuffles the next epochs exactly as the
+    uninterrupted run would.
+    """
 
     def __init__(self, batch_size: int = 64, val_fraction: float = 0.2, seed: int = 0, num_workers: int = 0) -> None:
         super().__init__()
@@ -44,22 +68,22 @@ class DigitsDataModule(pl.LightningDataModule):
             raise ValueError(f"data.batch_size must be >= 1, got {batch_size}")
         if num_workers < 0:
             raise ValueError(f"data.num_workers must be >= 0, got {num_workers}")
-        if not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
         self.batch_size = batch_size
-        self.val_fraction = val_fraction
-        self.seed = seed
         self.num_workers = num_workers
-
-    def setup(self, stage: str | None = None) -> None:
-        self.train_set, self.val_set = load_digits_split(self.val_fraction, self.seed)
+        self.train_set, self.val_set = load_digits_split(val_fraction, seed)
+        self.shuffle = torch.Generator().manual_seed(seed)
 
     def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(self.seed)
-        return self._loader(self.train_set, shuffle=True, generator=generator)
+        return self._loader(self.train_set, shuffle=True, generator=self.shuffle)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, shuffle=False)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"shuffle": self.shuffle.get_state()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self.shuffle.set_state(state_dict["shuffle"])  # in place: a loader made already draws from the restored state
 
     def _loader(self, dataset: TensorDataset, **kwargs: object) -> DataLoader:
         return DataLoader(

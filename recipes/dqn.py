@@ -14,10 +14,17 @@ What it shows:
   * Truncation (CartPole's 500-step limit) is not termination: those transitions still bootstrap.
 
 One Lightning "batch" is one round: ``train_freq`` environment steps, then ``gradient_steps`` updates.
-Greedy evaluation (``eval_episodes`` episodes) every ``eval_every`` environment steps is logged as
+Greedy evaluation (``eval_episodes`` episodes) every ``eval_every`` environment steps, after the updates of the
+round that reaches the mark (so the checkpoint taken then holds the evaluated policy), is logged as
 ``eval/return``; the run directory gets ``return_curve.png``. DQN runs in one process (``trainer=ddp`` is
 refused): environment steps are sequential, and averaging gradients of ranks that explore differently
 would change the algorithm.
+
+Checkpoints (after any round) resume bit for bit: besides the networks and Adam's state they hold the
+replay buffer, the counters, both generators' states, the curves, and the current episode as the
+environment generator's state at its reset plus its actions so far; resuming replays that episode, which
+lands on the checkpoint's observation exactly (checked) because gymnasium environments are deterministic
+given their generator.
 
 Change first: ``QNetwork`` and the environment id; the defaults follow well-known CartPole settings.
 """
@@ -25,6 +32,7 @@ Change first: ``QNetwork`` and the environment id; the defaults follow well-know
 from __future__ import annotations
 
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +47,10 @@ from torch.utils.data import DataLoader
 from components import ReplayBuffer, hard_update, make_target, soft_update
 
 __all__ = ["CartPoleDQN", "QNetwork"]
+
+# The training "data" is a clock (round numbers the step never reads) and the rest of the state is in the
+# checkpoint, so Lightning's warning that a plain loader starts its epoch over when resumed mid-epoch is moot.
+warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint that ended before the epoch ended")
 
 SOLVED = 475.0
 
@@ -112,6 +124,8 @@ class CartPoleDQN(pl.LightningModule):
         self.updates = 0
         self.obs, _ = self.env.reset(seed=seed)
         self.episode_return = 0.0
+        self.episode_start: dict[str, Any] | None = None  # env generator state before this episode's reset
+        self.episode_actions: list[int] = []  # replayed from episode_start on resume
         self.curve: list[tuple[int, float]] = []  # (env step, training episode return)
         self.evals: list[tuple[int, float]] = []  # (env step, mean greedy return)
 
@@ -142,12 +156,18 @@ class CartPoleDQN(pl.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> None:
         h = self.hparams
+        evaluations_due = self.env_steps // h.eval_every
         for _ in range(h.train_freq):
             self.collect_one_step()
-            if self.env_steps % h.eval_every == 0:
-                self.evaluate()
-        if len(self.buffer) < h.learning_starts:
-            return
+        if len(self.buffer) >= h.learning_starts:
+            self.learn()
+        # Evaluated after this round's updates: the checkpoint written at this step's end holds the very policy
+        # that earned the score (mid-round, the saved weights would be a round of updates past it).
+        if self.env_steps // h.eval_every > evaluations_due:
+            self.evaluate()
+
+    def learn(self) -> None:
+        h = self.hparams
         optimizer = self.optimizers()
         for _ in range(h.gradient_steps):
             loss = self.td_loss(self.buffer.sample(h.batch_size, generator=self.sampler))
@@ -167,6 +187,7 @@ class CartPoleDQN(pl.LightningModule):
     def collect_one_step(self) -> None:
         action = self.act(self.obs, self.epsilon())
         next_obs, reward, terminated, truncated, _ = self.env.step(action)
+        self.episode_actions.append(action)
         # Copy decision: the buffer copies the arrays into its own storage; we keep no reference to them.
         self.buffer.add(self.obs, action, reward, next_obs, terminated, truncated)
         self.env_steps += 1
@@ -176,6 +197,8 @@ class CartPoleDQN(pl.LightningModule):
             self.curve.append((self.env_steps, self.episode_return))
             self.log("train/episode_return", self.episode_return)
             self.episode_return = 0.0
+            self.episode_start = self.env.np_random.bit_generator.state
+            self.episode_actions.clear()
             self.obs, _ = self.env.reset()
 
     def td_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -187,7 +210,8 @@ class CartPoleDQN(pl.LightningModule):
         value = self.q(batch["obs"]).gather(1, batch["action"].unsqueeze(1)).squeeze(1)
         return F.smooth_l1_loss(value, target)
 
-    def evaluate(self) -> None:
+    def greedy_return(self) -> float:
+        """Mean return of ``eval_episodes`` greedy episodes, on the evaluation environment's fixed seeds."""
         returns = []
         for episode in range(self.hparams.eval_episodes):
             obs, _ = self.eval_env.reset(seed=self.hparams.seed + 10_000 + episode)
@@ -197,7 +221,10 @@ class CartPoleDQN(pl.LightningModule):
                 total += float(reward)
                 done = terminated or truncated
             returns.append(total)
-        mean = float(np.mean(returns))
+        return float(np.mean(returns))
+
+    def evaluate(self) -> None:
+        mean = self.greedy_return()
         self.evals.append((self.env_steps, mean))
         best = max(value for _, value in self.evals)
         self.log("eval/return", mean, prog_bar=True)
@@ -216,12 +243,39 @@ class CartPoleDQN(pl.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["replay_buffer"] = self.buffer.state_dict()
-        checkpoint["dqn_counters"] = {"env_steps": self.env_steps, "updates": self.updates}
+        checkpoint["dqn"] = {
+            "env_steps": self.env_steps, "updates": self.updates, "episode_return": self.episode_return,
+            "rng": self.rng.bit_generator.state, "sampler": self.sampler.get_state(), "obs": torch.tensor(self.obs),
+            "episode_start": self.episode_start, "episode_actions": torch.tensor(self.episode_actions).long(),
+            "curve": self.curve, "evals": self.evals,
+        }  # fmt: skip
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint["dqn"]
         self.buffer.load_state_dict(checkpoint["replay_buffer"])
-        self.env_steps = checkpoint["dqn_counters"]["env_steps"]
-        self.updates = checkpoint["dqn_counters"]["updates"]
+        self.env_steps, self.updates = state["env_steps"], state["updates"]
+        self.episode_return = state["episode_return"]
+        self.rng.bit_generator.state = state["rng"]
+        self.sampler.set_state(state["sampler"])
+        self.curve, self.evals = list(state["curve"]), list(state["evals"])
+        self.replay_episode(state["episode_start"], state["episode_actions"].tolist(), state["obs"].numpy())
+
+    def replay_episode(self, start: dict[str, Any] | None, actions: list[int], obs: np.ndarray) -> None:
+        """Put the training environment where a checkpoint left it, mid-episode: reset it from the generator
+        state recorded before the episode's reset (``None``: the run's first, seeded reset) and repeat the
+        episode's actions. Raises ``RuntimeError`` if that does not reproduce the recorded observation."""
+        self.obs, _ = self.env.reset(seed=self.hparams.seed)
+        if start is not None:
+            self.env.np_random.bit_generator.state = start
+            self.obs, _ = self.env.reset()
+        for action in actions:
+            self.obs, *_ = self.env.step(action)
+        if not np.array_equal(self.obs, obs):
+            raise RuntimeError(
+                f"replaying the current episode of {self.hparams.env_id} did not reach the checkpoint's observation: "
+                "the environment is not deterministic given its generator, so this run cannot resume exactly"
+            )
+        self.episode_start, self.episode_actions = start, actions
 
 
 def plot_returns(curve: list[tuple[int, float]], evals: list[tuple[int, float]], path: Path) -> None:

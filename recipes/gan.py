@@ -32,9 +32,10 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torchmetrics.image.fid import FrechetInceptionDistance
 
-from components import EMA, frozen
+from components import EMA, GradientAverager, frozen
 
 __all__ = ["Discriminator", "DigitsGAN", "Generator", "Judge", "discriminator_loss"]
 
@@ -138,6 +139,8 @@ class DigitsGAN(pl.LightningModule):
         self.judge = Judge()
         self.register_buffer("judge_trained", torch.tensor(False))  # checkpointed: a resumed run keeps its judge
         self.g_ema: EMA | None = None  # made in on_fit_start, once the generator is on its device
+        self._g_grads: GradientAverager | None = None  # under DDP only
+        self._d_grads: GradientAverager | None = None
         self._pending_ema: dict[str, Any] | None = None
         self.fid_floor: float | None = None
 
@@ -157,19 +160,33 @@ class DigitsGAN(pl.LightningModule):
         # Copy decision: D sees fake.detach(): shared storage, no graph, so this backward never enters G.
         # One D forward over [real; fake] (torch.cat copies the two small batches) instead of two.
         d_loss = discriminator_loss(self.discriminator, real, fake.detach())
-        self.manual_backward(d_loss)
+        self._backward(d_loss, self._d_grads)
         opt_d.step()
         opt_d.zero_grad(set_to_none=True)  # gradients live only between a backward and its step
 
         # Copy decision: reuse `fake` (no second forward); D frozen, so G's backward writes nothing into D.
         with frozen(self.discriminator):
             g_loss = _bce(self.discriminator(fake), 1.0)
-            self.manual_backward(g_loss)
+            self._backward(g_loss, self._g_grads)
         opt_g.step()
         opt_g.zero_grad(set_to_none=True)
         assert self.g_ema is not None
         self.g_ema.update(self.generator)
         self.log_dict({"train/d_loss": d_loss.detach(), "train/g_loss": g_loss.detach()}, prog_bar=True)
+
+    def _backward(self, loss: torch.Tensor, averager: GradientAverager | None) -> None:
+        """Backward; under DDP, then average the stepping network's gradients over the ranks.
+
+        DDP's reducer expects one backward per forward that reaches every parameter; each step here leaves
+        one network unused, so its sync is switched off and the stepping network's gradients are averaged
+        with one collective instead (nothing is reduced for the network that does not step)."""
+        ddp = self.trainer.strategy.model
+        if averager is None or not isinstance(ddp, DistributedDataParallel):
+            self.manual_backward(loss)
+            return
+        with ddp.no_sync():
+            self.manual_backward(loss)
+        averager.average()
 
     def configure_optimizers(self) -> list[torch.optim.Optimizer]:
         betas = (self.hparams.beta1, 0.999)
@@ -179,6 +196,9 @@ class DigitsGAN(pl.LightningModule):
         ]
 
     def on_fit_start(self) -> None:
+        if self.trainer.world_size > 1:
+            self._g_grads = GradientAverager(self.generator.parameters())
+            self._d_grads = GradientAverager(self.discriminator.parameters())
         self.g_ema = EMA(self.generator, decay=self.hparams.ema_decay, warmup=True)
         if self._pending_ema is not None:
             self.g_ema.load_state_dict(self._pending_ema)
@@ -188,6 +208,10 @@ class DigitsGAN(pl.LightningModule):
             self.judge.train()
             self.judge.fit(train_x * 2 - 1, train_y, self.hparams.judge_epochs, self.hparams.seed)
             self.judge_trained.fill_(True)
+        if self.global_rank > 0:
+            # Lightning seeds every rank alike: without this each rank would draw the same z and the same dropout
+            # masks, and a bigger world would not see more distinct fakes. Rank 0 keeps a single process's stream.
+            torch.manual_seed(self.hparams.seed + self.global_rank)
 
     # -- evaluation ----------------------------------------------------------------------------------------
 

@@ -8,7 +8,8 @@ Steps, each recorded in the report:
   2. the device's measured copy bandwidth, device-to-device and pinned host-to-device (the limits the
      benchmarks are compared against);
   3. ``pytest -m gpu``: every CUDA-only test and every device-parametrised test's ``cuda`` case;
-  4. every benchmark in GPU mode (EMA, target updates, GAN step), their tables copied into the report;
+  4. every benchmark in GPU mode (EMA, target updates, GAN step, batch loading), their tables copied into the
+     report;
   5. a short training run of each recipe with ``trainer=gpu``, its summary.json figures.
 
 Exit status 1 when a test or a recipe run fails. ``--dry-run`` runs the same steps on the CPU with small
@@ -32,12 +33,14 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
-RECIPE_RUNS = {
-    "metrics": ["trainer.max_epochs=3"],
-    "ema": ["trainer.max_epochs=3"],
-    "gan": ["trainer.max_epochs=20", "trainer.check_val_every_n_epoch=10"],
-    "dqn": ["model.total_env_steps=5120", "model.eval_every=2560", "model.learning_starts=1024"],
-}
+RECIPE_RUNS = [
+    ("metrics", ["trainer.max_epochs=3"]),
+    ("ema", ["trainer.max_epochs=3"]),
+    ("gan", ["trainer.max_epochs=20", "trainer.check_val_every_n_epoch=10"]),
+    ("dqn", ["model.total_env_steps=5120", "model.eval_every=2560", "model.learning_starts=1024"]),
+    ("pinned", ["trainer.max_epochs=5"]),
+    ("pinned", ["trainer.max_epochs=5", "data.prefetch=false"]),
+]
 
 
 def copy_bandwidth(device: torch.device, dry_run: bool) -> list[str]:
@@ -112,16 +115,16 @@ def main(argv: list[str]) -> int:
 
         bench_file = Path(tmp) / "bench.md"
         flags = ["--quick", "--budget", "0.5"] if args.dry_run else ["--device", "cuda"]
-        for script in ("bench_ema.py", "bench_target.py", "bench_gan.py"):
+        for script in ("bench_ema.py", "bench_target.py", "bench_gan.py", "bench_loading.py"):
             result = run([sys.executable, f"scripts/{script}", *flags, "--output", str(bench_file)], log)
             if result.returncode != 0:
                 failures.append(f"{script}: exit {result.returncode}: {result.stderr.strip().splitlines()[-1:]}")
         if bench_file.exists():
             sections.append("## Benchmarks\n\n" + bench_file.read_text().split("\n", 1)[1].strip())
 
-        rows = ["| recipe | exit | figures from summary.json |", "| --- | ---: | --- |"]
-        for recipe, overrides in RECIPE_RUNS.items():
-            out = Path(tmp) / recipe
+        rows = ["| recipe | overrides | exit | figures from summary.json |", "| --- | --- | ---: | --- |"]
+        for number, (recipe, overrides) in enumerate(RECIPE_RUNS):
+            out = Path(tmp) / f"{number}-{recipe}"
             trainer = "trainer=cpu" if args.dry_run else "trainer=gpu"
             result = run(
                 [sys.executable, "train.py", f"+recipe={recipe}", trainer, "trainer.enable_progress_bar=false",
@@ -133,7 +136,7 @@ def main(argv: list[str]) -> int:
                 figures = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if v is not None and _shown(k))
             if result.returncode != 0:
                 failures.append(f"recipe {recipe}: exit {result.returncode}")
-            rows.append(f"| {recipe} | {result.returncode} | {figures} |")
+            rows.append(f"| {recipe} | `{' '.join(overrides)}` | {result.returncode} | {figures} |")
         sections.append("## Recipes with `trainer=gpu`, short runs\n\n" + "\n".join(rows))
 
     sections.append("## Commands\n\n" + "\n".join(f"- `{line}`" for line in log))
@@ -146,7 +149,7 @@ def main(argv: list[str]) -> int:
 
 
 def _shown(key: str) -> bool:
-    return key.startswith(("val/", "eval/", "quality/")) and not key.endswith("_step")
+    return key.startswith(("val/", "eval/", "quality/", "perf/")) and not key.endswith("_step")
 
 
 def _test_table(output: str) -> str:

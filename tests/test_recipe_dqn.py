@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -52,6 +53,32 @@ def test_no_gradient_reaches_the_target_and_the_naive_copy_is_the_control() -> N
     assert all(p.grad is not None for p in naive.parameters())  # the target would be trained too
 
 
+@pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)` but the `self.trainer`")
+def test_checkpoint_resumes_the_episode_in_progress_and_refuses_one_it_cannot_replay(tmp_path: Path) -> None:
+    model = CartPoleDQN(seed=0)
+    for _ in range(100):  # several random-policy episodes and one in progress
+        model.collect_one_step()
+    assert model.episode_start is not None and model.episode_actions
+    checkpoint = {"state_dict": model.state_dict()}  # as Lightning writes it, less what DQN does not read
+    model.on_save_checkpoint(checkpoint)
+    torch.save(checkpoint, tmp_path / "dqn.ckpt")
+    checkpoint = torch.load(tmp_path / "dqn.ckpt", weights_only=True)
+    resumed, fresh = CartPoleDQN(seed=0), CartPoleDQN(seed=0)  # fresh, the control: without the DQN state
+    for dqn in (resumed, fresh):
+        dqn.load_state_dict(checkpoint["state_dict"])
+    resumed.on_load_checkpoint(checkpoint)
+    for _ in range(300):
+        for dqn in (model, resumed, fresh):
+            dqn.collect_one_step()
+    assert np.array_equal(resumed.obs, model.obs) and not np.array_equal(fresh.obs, model.obs)
+    assert resumed.curve == model.curve and resumed.env_steps == model.env_steps == 400
+    assert torch.equal(resumed.buffer.next_obs[:400], model.buffer.next_obs[:400])
+
+    checkpoint["dqn"]["obs"][0] += 1e-3
+    with pytest.raises(RuntimeError, match="did not reach the checkpoint's observation"):
+        CartPoleDQN(seed=0).on_load_checkpoint(checkpoint)
+
+
 def test_short_run_writes_summary_curve_and_a_weights_only_checkpoint(tmp_path: Path) -> None:
     result = run_train("+recipe=dqn", "trainer.enable_progress_bar=false", *SHORT, f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -60,9 +87,20 @@ def test_short_run_writes_summary_curve_and_a_weights_only_checkpoint(tmp_path: 
     assert {"eval/return", "eval/best_return", "train/episode_return"} <= set(summary["metrics"])
     assert (tmp_path / "return_curve.png").stat().st_size > 10_000
     checkpoint = torch.load(summary["checkpoints"]["last"], weights_only=True)
-    assert checkpoint["dqn_counters"]["env_steps"] == 1536
+    assert checkpoint["dqn"]["env_steps"] == 1536
     assert checkpoint["replay_buffer"]["size"] == 1536
     assert any(key.startswith("target.") for key in checkpoint["state_dict"])
+
+
+def test_the_best_checkpoint_holds_the_policy_that_earned_its_score(tmp_path: Path) -> None:
+    trainer, model, _ = train.build(compose_config("+recipe=dqn", *QUIET, *SHORT, output_dir=tmp_path))
+    trainer.fit(model)
+    best = torch.load(trainer.checkpoint_callback.best_model_path, weights_only=True)
+    score = float(trainer.checkpoint_callback.best_model_score)
+    assert (best["dqn"]["env_steps"], score) in best["dqn"]["evals"]  # written in the round it was evaluated
+    restored = CartPoleDQN(**{k: v for k, v in best["hyper_parameters"].items() if not k.startswith("_")})
+    restored.load_state_dict(best["state_dict"])
+    assert restored.greedy_return() == score
 
 
 def test_ddp_is_refused_with_a_clear_message(tmp_path: Path) -> None:

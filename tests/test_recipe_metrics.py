@@ -74,9 +74,7 @@ class _ProbeBatchModule(DigitsClassifier):
     def __init__(self, detach: bool) -> None:
         super().__init__(hidden=HIDDEN)
         self.detach = detach
-        probe = DigitsDataModule(batch_size=BATCH)
-        probe.setup()
-        self.probe_x, self.probe_y = probe.val_set[:BATCH]
+        self.probe_x, self.probe_y = DigitsDataModule(batch_size=BATCH).val_set[:BATCH]
 
     def probe_probs(self) -> torch.Tensor:
         probs = self(self.probe_x).softmax(dim=-1)

@@ -1,0 +1,53 @@
+"""GradientAverager: every rank ends with the mean gradient, in place, with no allocation after the first call."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from components import GradientAverager
+from tests.conftest import ROOT
+
+
+def _free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def _run(out: Path) -> tuple[dict, dict]:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "scripts" / "grad_average.py"), str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "TEST_PORT": _free_port()},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return (torch.load(out / f"rank{r}.pt", weights_only=True) for r in (0, 1))  # type: ignore[return-value]
+
+
+def test_two_processes_end_with_the_same_mean_gradient_in_place(tmp_path: Path) -> None:
+    rank0, rank1 = _run(tmp_path)
+    for g0, g1 in zip(rank0["grads"], rank1["grads"], strict=True):
+        assert torch.equal(g0, g1)
+    assert torch.equal(rank0["grads"][0], torch.full((3, 4), 1.5))
+    assert rank0["grads"][1].dtype == torch.float64  # its own dtype group, its own flat buffer
+    assert torch.equal(rank0["grads"][2], torch.full((2,), 1.0))  # rank 0 had none: it counted as zeros
+    assert rank0["kept"].all() and rank1["kept"].all()  # written in place
+    assert int(rank0["allocated"]) == int(rank1["allocated"]) == 0
+    # Control: before averaging, the ranks held different gradients.
+    assert not torch.equal(rank0["before"][0], rank1["before"][0])
+
+
+def test_one_process_is_left_alone_and_bad_input_is_refused() -> None:
+    p = nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 2.0)
+    GradientAverager([p]).average()
+    assert torch.equal(p.grad, torch.full((3,), 2.0))
+    with pytest.raises(ValueError, match="at least one parameter that requires grad"):
+        GradientAverager([nn.Parameter(torch.ones(2), requires_grad=False)])

@@ -1,0 +1,96 @@
+"""ResumeState: the global generators' states round-trip through a weights_only checkpoint, are restored
+only at ``on_train_start``, and a checkpoint of another recipe or seed (or none of ours) is refused.
+
+The recipes' end-to-end resume (killed runs) is in ``test_resume_recipes.py``."""
+
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from components import ResumeState, check_checkpoint
+from components.resume import get_rng_state, set_rng_state
+from tests.conftest import CUDA
+
+
+def draws() -> tuple[torch.Tensor, float, float]:
+    return torch.rand(3), float(np.random.randn()), random.random()  # randn: NumPy's cached Gaussian too
+
+
+def same(a: tuple[torch.Tensor, float, float], b: tuple[torch.Tensor, float, float]) -> list[bool]:
+    return [torch.equal(a[0], b[0]), a[1] == b[1], a[2] == b[2]]
+
+
+def test_generator_states_round_trip_through_a_weights_only_file(tmp_path: Path) -> None:
+    torch.manual_seed(1)
+    np.random.seed(1)
+    random.seed(1)
+    np.random.randn()  # leaves the second Gaussian of a pair cached in NumPy's state
+    torch.save({"callbacks": {"ResumeState": ResumeState("ema", 1).state_dict()}}, tmp_path / "a.ckpt")
+    expected = draws()
+    saved = torch.load(tmp_path / "a.ckpt", weights_only=True)["callbacks"]["ResumeState"]
+    assert same(draws(), expected) == [False, False, False]  # the control: the generators moved on
+    set_rng_state(saved["rng"])
+    assert same(draws(), expected) == [True, True, True]
+
+
+@pytest.mark.gpu
+@CUDA
+def test_cuda_generator_state_round_trips() -> None:
+    torch.cuda.init()
+    state = get_rng_state()
+    expected = torch.rand(3, device="cuda")
+    assert not torch.equal(torch.rand(3, device="cuda"), expected)  # the control
+    set_rng_state(state)
+    assert torch.equal(torch.rand(3, device="cuda"), expected)
+
+
+def test_states_are_restored_at_train_start_not_when_loaded() -> None:
+    state = ResumeState("ema", 0).state_dict()
+    expected = draws()
+    callback = ResumeState("ema", 0)
+    callback.load_state_dict(state)
+    moved = draws()  # building the run, a sanity check: draws that the uninterrupted run did not make
+    callback.on_train_start(None, None)  # type: ignore[arg-type]
+    assert torch.equal(draws()[0], expected[0]) and not torch.equal(moved[0], expected[0])
+    callback.on_train_start(None, None)  # type: ignore[arg-type]  # once only
+    assert not torch.equal(draws()[0], expected[0])
+
+
+@pytest.mark.parametrize(
+    ("recipe", "seed", "message"),
+    [
+        ("gan", 0, "it holds a run of recipe 'ema', not 'gan': resume it with +recipe=ema"),
+        ("ema", 3, "seed=0, not seed=3"),
+    ],
+)
+def test_another_runs_checkpoint_is_refused(recipe: str, seed: int, message: str, tmp_path: Path) -> None:
+    state = ResumeState("ema", 0).state_dict()
+    torch.save({"callbacks": {"ResumeState": state}}, tmp_path / "ema.ckpt")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ResumeState(recipe, seed).load_state_dict(state)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_checkpoint(tmp_path / "ema.ckpt", recipe, seed)
+    check_checkpoint(tmp_path / "ema.ckpt", "ema", 0)  # the control: its own run's
+    ResumeState("ema", 0).load_state_dict(state)
+
+
+def test_files_that_are_not_our_checkpoints_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "text.ckpt").write_text("not a checkpoint")
+    torch.save({"state_dict": {}}, tmp_path / "plain.ckpt")
+    torch.save({"callbacks": {"ResumeState": {"recipe": "ema", "seed": 0}}, "x": Path("/")}, tmp_path / "pickled.ckpt")
+    truncated = (tmp_path / "plain.ckpt").read_bytes()
+    (tmp_path / "truncated.ckpt").write_bytes(truncated[: len(truncated) // 2])
+    for name, message in [
+        ("text", "is not a checkpoint"),
+        ("truncated", "is not a checkpoint"),
+        ("plain", "no ResumeState stamp"),
+        ("pickled", r"does not load with torch.load\(weights_only=True\)"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            check_checkpoint(tmp_path / f"{name}.ckpt", "ema", 0)
