@@ -1,0 +1,209 @@
+"""``scripts/new_project.py``: each recipe's starter is a standalone project whose own tests pass there, holding
+only what the recipe needs; bad arguments stop with one line."""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts.new_project import ROOT, known_recipes, main, normalise_name, plan, quickstart
+
+RECIPES = known_recipes()
+
+# Runs the starter's suite as `.venv/bin/pytest` would (pyproject's `pythonpath = ["."]` is what finds DEST's code,
+# not the working directory), then names every module that came from the main repository instead.
+PYTEST_IN_DEST = """
+import os, sys
+import pytest
+
+sys.path[:] = [p for p in sys.path if p not in ("", os.getcwd())]
+
+
+class Origins:
+    def pytest_sessionfinish(self):
+        for name, module in sorted(sys.modules.items()):
+            path = getattr(module, "__file__", None) or ""
+            if path.startswith(sys.argv[1] + os.sep) and not path.startswith(sys.prefix + os.sep):
+                print("from the main repository:", name, path)
+        for name in ("components", "recipes", "tests"):
+            print("origin:", name, sys.modules[name].__file__)
+
+
+sys.exit(pytest.main(["-q", "-rfE", "-p", "no:cacheprovider", *sys.argv[2:]], plugins=[Origins()]))
+"""
+
+
+def clean_env() -> dict[str, str]:
+    """The environment without anything that would put the main repository on the import path."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+
+
+def generate(recipe: str, dest: Path) -> Path:
+    assert main([recipe, str(dest)]) == 0
+    return dest
+
+
+def commands(readme: str) -> list[str]:
+    """The commands of the Quickstart's bash block, as ``.ci/run`` reads them."""
+    block = re.search(r"```bash\n(.*?)```", quickstart(readme), re.S)
+    assert block is not None
+    return [line for line in block[1].splitlines() if line.strip() and not line.startswith("#")]
+
+
+def docstring_paragraph(recipe: str, prefix: str) -> str:
+    docstring = ast.get_docstring(ast.parse((ROOT / "recipes" / f"{recipe}.py").read_text())) or ""
+    paragraph = next(p for p in docstring.split("\n\n") if p.startswith(prefix))
+    return " ".join(paragraph.removeprefix(prefix).split()).replace("``", "`")
+
+
+# The default suite leaves out, in the starters, the tests that train a recipe in full or start 2 processes: the
+# main suite runs the same files from the same source, and the slow test below runs a starter's whole suite.
+FAST = "not default_run and not ddp and not two_processes"
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_starter_suite_passes_importing_only_its_own_code(recipe: str, tmp_path: Path) -> None:
+    dest = generate(recipe, tmp_path / f"my-{recipe}")
+    result = subprocess.run(
+        [sys.executable, "-c", PYTEST_IN_DEST, str(ROOT), "-k", FAST],
+        cwd=dest, env=clean_env(), capture_output=True, text=True,
+        timeout=1200,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "from the main repository:" not in result.stdout
+    origins = re.findall(r"origin: (\w+) (\S+)", result.stdout)
+    assert len(origins) == 3 and all(Path(path).resolve().is_relative_to(dest.resolve()) for _, path in origins)
+    assert re.search(r"\d+ passed", result.stdout)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_starter_has_the_readme_conf_and_project_of_its_recipe(recipe: str, tmp_path: Path) -> None:
+    dest = generate(recipe, tmp_path / f"My_{recipe.title()}.Project")
+    readme = (dest / "README.md").read_text()
+    ours = commands((ROOT / "README.md").read_text())
+    assert commands(readme) == [re.sub(r"\+recipe=\w+", f"+recipe={recipe}", c) for c in ours]
+    assert commands(readme)[0].endswith(f"train.py +recipe={recipe}")
+    assert docstring_paragraph(recipe, "Change first:") in " ".join(readme.split())
+    assert docstring_paragraph(recipe, "Recipe ") in " ".join(readme.split())
+    assert sorted(p.name for p in (dest / "conf" / "recipe").iterdir()) == [f"{recipe}.yaml"]
+    assert f'name = "my-{recipe}-project"' in (dest / "pyproject.toml").read_text()
+    assert normalise_name("  Digits GAN (v2)") == "digits-gan-v2"
+    lint = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "--no-cache", "."], cwd=dest, capture_output=True, text=True
+    )
+    assert lint.returncode == 0, lint.stdout
+    no_recipe = subprocess.run(
+        [sys.executable, "train.py"], cwd=dest, env=clean_env(), capture_output=True, text=True, timeout=120
+    )
+    listed = set(re.findall(r"\w+", no_recipe.stderr)) & set(RECIPES)
+    assert no_recipe.returncode == 2 and listed == {recipe}, no_recipe.stderr
+
+
+def test_starter_holds_only_the_components_and_tests_it_needs(tmp_path: Path) -> None:
+    metrics, ema, dqn = (generate(r, tmp_path / r) for r in ("metrics", "ema", "dqn"))
+    assert (ema / "components" / "ema.py").is_file() and (ema / "tests" / "test_ema.py").is_file()
+    assert not (metrics / "components" / "ema.py").exists() and not (metrics / "tests" / "test_ema.py").exists()
+    assert (metrics / "components" / "graph_guard.py").is_file() and not (
+        dqn / "components" / "graph_guard.py"
+    ).exists()
+    assert (dqn / "components" / "replay.py").is_file() and (dqn / "tests" / "test_replay.py").is_file()
+    assert not (dqn / "recipes" / "digits.py").exists() and (metrics / "recipes" / "digits.py").is_file()
+    assert (ema / "tests" / "scripts" / "ddp_ema.py").is_file()  # named by test_ema_callback.py, which is copied
+    for dest in (metrics, ema, dqn):
+        assert not {"test_train.py", "test_benchmarks.py", "test_new_project.py"} & {p.name for p in dest.rglob("*")}
+        assert not (dest / "scripts").exists()
+    init = (metrics / "components" / "__init__.py").read_text()
+    assert "GraphRetentionGuard" in init and "EMA" not in init and "ReplayBuffer" not in init
+    assert '"gymnasium' in (dqn / "pyproject.toml").read_text()
+    assert '"gymnasium' not in (metrics / "pyproject.toml").read_text()
+
+
+SMALL_TREE = {
+    "train.py": '"""Entry point."""\n',
+    "README.md": "# x\n\n## Quickstart\n\n```bash\npython train.py +recipe=b\n.venv/bin/pytest\n```\n\n## Other\n",
+    "pyproject.toml": '[project]\nname = "x"\ndescription = "d"\n'
+    'dependencies = [\n    "torch>=2",\n    "gymnasium>=1",\n]\n\n[project.optional-dependencies]\ndev = ["pytest"]\n',
+    "conf/config.yaml": "seed: 0\n",
+    "conf/recipe/a.yaml": "model:\n  _target_: recipes.a.Model\ncallbacks:\n  x:\n    _target_: components.X\n",
+    "conf/recipe/b.yaml": "model:\n  _target_: recipes.b.Model\n",
+    "recipes/__init__.py": "",
+    "recipes/a.py": '"""Recipe ``a``: teaches a.\n\nChange first: the ``Model``.\n"""\n\nimport torch\n',
+    "recipes/b.py": "import gymnasium\n",
+    "components/__init__.py": '"""Parts.\n\nThings:\n    X      the x\n    Probe  measures\n\n'
+    'Others:\n    Y      the y\n"""\n\n'
+    "from components.probe import Probe\nfrom components.x import X\nfrom components.y import Y\n\n"
+    '__all__ = [\n    "Probe",\n    "X",\n    "Y",\n]\n',
+    "components/x.py": "from components._helper import h\n",
+    "components/_helper.py": "h = 1\n",
+    "components/probe.py": "",
+    "components/y.py": "",
+    "scripts/tool.py": "",
+    "tests/__init__.py": "",
+    "tests/conftest.py": "",
+    "tests/test_recipe_a.py": "from recipes.a import Model\n",
+    "tests/test_x.py": 'from components import Probe, X\n\nHELPER = "helper_x.py"\n',  # x's own test, and its probe
+    "tests/scripts/__init__.py": "",
+    "tests/scripts/helper_x.py": "from components import X\n",
+    "tests/test_y.py": "from components import Y\n",  # imports what the starter lacks
+    "tests/test_runs_both.py": 'from components import X\n\nARGS = [f"+recipe={r}" for r in ("a", "b")]\n',
+    "tests/test_tool.py": 'from components import X\n\nTOOL = "scripts/tool.py"\n',  # names a file the starter lacks
+    "tests/test_entry.py": "import train\n",  # tests none of the copied packages
+}
+
+
+def test_discovery_rules_on_a_small_tree(tmp_path: Path) -> None:
+    for relative, text in SMALL_TREE.items():
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).write_text(text)
+    starter = plan("a", "p", root=tmp_path)
+    assert set(starter.files) == {
+        "README.md", "pyproject.toml", "train.py", "conf/config.yaml", "conf/recipe/a.yaml",
+        "recipes/__init__.py", "recipes/a.py",
+        "components/__init__.py", "components/_helper.py", "components/probe.py", "components/x.py",
+        "tests/__init__.py", "tests/conftest.py", "tests/test_recipe_a.py", "tests/test_x.py",
+        "tests/scripts/__init__.py", "tests/scripts/helper_x.py",
+    }  # fmt: skip
+    init = str(starter.files["components/__init__.py"])
+    assert "from components.y" not in init and '"Y"' not in init and "the y" not in init and "Others:" not in init
+    assert "Probe  measures" in init and '"X",' in init
+    assert starter.dependencies == ["torch"] and starter.dropped == ["gymnasium"]
+    readme = str(starter.files["README.md"])
+    assert "python train.py +recipe=a\n" in readme and "the `Model`." in readme and "teaches a." in readme
+
+
+def test_refuses_a_non_empty_dest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    assert main([RECIPES[0], str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip().count("\n") == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_unknown_recipe_lists_the_known_ones(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["nope", str(tmp_path / "dest")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: unknown recipe 'nope': recipe must be one of: {', '.join(RECIPES)}"
+    assert not (tmp_path / "dest").exists()
+
+
+def test_no_arguments_prints_usage() -> None:
+    result = subprocess.run([sys.executable, "scripts/new_project.py"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 2 and result.stderr.startswith("usage: new_project.py")
+
+
+@pytest.mark.slow
+def test_readme_commands_install_train_and_test_in_a_fresh_venv(tmp_path: Path) -> None:
+    """The starter's two README commands, verbatim: a new venv, pip install, the default gan run, its tests."""
+    dest = generate("gan", tmp_path / "digits-gan")
+    for command in commands((dest / "README.md").read_text()):
+        result = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", command], cwd=dest, env=clean_env(), capture_output=True, text=True,
+            timeout=3600,
+        )  # fmt: skip
+        assert result.returncode == 0, f"{command}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    assert len(list(dest.glob("outputs/gan/*/summary.json"))) == 1
