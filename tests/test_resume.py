@@ -31,7 +31,7 @@ def test_generator_states_round_trip_through_a_weights_only_file(tmp_path: Path)
     np.random.seed(1)
     random.seed(1)
     np.random.randn()  # leaves the second Gaussian of a pair cached in NumPy's state
-    torch.save({"callbacks": {"ResumeState": ResumeState("ema", 1).state_dict()}}, tmp_path / "a.ckpt")
+    torch.save({"callbacks": {"ResumeState": ResumeState("alpha", 1).state_dict()}}, tmp_path / "a.ckpt")
     expected = draws()
     saved = torch.load(tmp_path / "a.ckpt", weights_only=True)["callbacks"]["ResumeState"]
     assert same(draws(), expected) == [False, False, False]  # the control: the generators moved on
@@ -51,9 +51,9 @@ def test_cuda_generator_state_round_trips() -> None:
 
 
 def test_states_are_restored_at_train_start_not_when_loaded() -> None:
-    state = ResumeState("ema", 0).state_dict()
+    state = ResumeState("alpha", 0).state_dict()
     expected = draws()
-    callback = ResumeState("ema", 0)
+    callback = ResumeState("alpha", 0)
     callback.load_state_dict(state)
     moved = draws()  # building the run, a sanity check: draws that the uninterrupted run did not make
     callback.on_train_start(None, None)  # type: ignore[arg-type]
@@ -65,25 +65,27 @@ def test_states_are_restored_at_train_start_not_when_loaded() -> None:
 @pytest.mark.parametrize(
     ("recipe", "seed", "message"),
     [
-        ("gan", 0, "it holds a run of recipe 'ema', not 'gan': resume it with +recipe=ema"),
-        ("ema", 3, "seed=0, not seed=3"),
+        ("beta", 0, "it holds a run of recipe 'alpha', not 'beta': resume it with +recipe=alpha"),
+        ("alpha", 3, "seed=0, not seed=3"),
     ],
 )
 def test_another_runs_checkpoint_is_refused(recipe: str, seed: int, message: str, tmp_path: Path) -> None:
-    state = ResumeState("ema", 0).state_dict()
-    torch.save({"callbacks": {"ResumeState": state}}, tmp_path / "ema.ckpt")
+    state = ResumeState("alpha", 0).state_dict()
+    torch.save({"callbacks": {"ResumeState": state}}, tmp_path / "alpha.ckpt")
     with pytest.raises(ValueError, match=re.escape(message)):
         ResumeState(recipe, seed).load_state_dict(state)
     with pytest.raises(ValueError, match=re.escape(message)):
-        check_checkpoint(tmp_path / "ema.ckpt", recipe, seed)
-    check_checkpoint(tmp_path / "ema.ckpt", "ema", 0)  # the control: its own run's
-    ResumeState("ema", 0).load_state_dict(state)
+        check_checkpoint(tmp_path / "alpha.ckpt", recipe, seed)
+    check_checkpoint(tmp_path / "alpha.ckpt", "alpha", 0)  # the control: its own run's
+    ResumeState("alpha", 0).load_state_dict(state)
 
 
 def test_files_that_are_not_our_checkpoints_are_refused(tmp_path: Path) -> None:
     (tmp_path / "text.ckpt").write_text("not a checkpoint")
     torch.save({"state_dict": {}}, tmp_path / "plain.ckpt")
-    torch.save({"callbacks": {"ResumeState": {"recipe": "ema", "seed": 0}}, "x": Path("/")}, tmp_path / "pickled.ckpt")
+    torch.save(
+        {"callbacks": {"ResumeState": {"recipe": "alpha", "seed": 0}}, "x": Path("/")}, tmp_path / "pickled.ckpt"
+    )
     truncated = (tmp_path / "plain.ckpt").read_bytes()
     (tmp_path / "truncated.ckpt").write_bytes(truncated[: len(truncated) // 2])
     for name, message in [
@@ -93,4 +95,4 @@ def test_files_that_are_not_our_checkpoints_are_refused(tmp_path: Path) -> None:
         ("pickled", r"does not load with torch.load\(weights_only=True\)"),
     ]:
         with pytest.raises(ValueError, match=message):
-            check_checkpoint(tmp_path / f"{name}.ckpt", "ema", 0)
+            check_checkpoint(tmp_path / f"{name}.ckpt", "alpha", 0)
