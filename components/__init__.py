@@ -22,7 +22,7 @@ Lightning callbacks:
     EMACallback          an EMA of the module: updated per optimizer step, evaluated beside it, checkpointed
     DataWaitMonitor      logs samples per second and the share of time spent waiting for batches
     GraphRetentionGuard  fails a run the step a graph leaks into outputs, attributes or metric states
-    ResumeState          global RNG states, recipe and seed in every checkpoint: exact resume, foreign ones refused
+    ResumeState          every rank's global RNG states, recipe and seed in checkpoints: exact resume, foreign refused
     RunSummary           writes ``summary.json`` (final metrics, recipe, seed) into the run directory
     StepProbe            audits one training batch's copies and measures memory growth per batch
 """

@@ -5,13 +5,18 @@ Lightning's checkpoint holds the module, the optimizers, the loop counters and e
 not the global random number generators: a resumed run would draw other dropout masks and other noise than
 the run it continues. This callback adds them, with the recipe name and seed the run was started with.
 
-* ``state_dict()`` (taken when a checkpoint is written) holds ``recipe``, ``seed`` and the states of torch's
-  CPU generator, the current CUDA device's generator (when CUDA is in use), NumPy's global generator and
-  Python's ``random``: tensors, numbers, strings and tuples only, so the checkpoint loads with
-  ``torch.load(..., weights_only=True)``.
+* ``state_dict()`` (taken when a checkpoint is written) holds ``recipe``, ``seed`` and, under ``rng``, one
+  entry per rank: the states of torch's CPU generator, the current CUDA device's generator (when CUDA is in
+  use), NumPy's global generator and Python's ``random``. Tensors, numbers, strings and tuples only, so the
+  checkpoint loads with ``torch.load(..., weights_only=True)``. Lightning takes every rank's checkpoint state
+  and writes rank 0's, so under a multi-process strategy the ranks' states are gathered to every rank first
+  (one ``all_gather_object``): ranks draw different numbers where a recipe seeds them apart (the ``gan``
+  recipe does), and one rank's states restored on all would make them draw alike after a resume.
 * ``load_state_dict`` refuses another recipe's or seed's checkpoint (``ValueError``) and keeps the generator
   states until ``on_train_start``, after the resumed run is built and sanity-checked (both may draw from the
   generators) and before its first epoch starts, as the uninterrupted run's next one did after the checkpoint.
+  Each rank then takes its own entry. A rank the checkpoint has no entry for (resumed on more processes than
+  it was written by) keeps its fresh states, with a warning that the resume is not bit-exact.
 * ``check_checkpoint(path, recipe, seed)`` reads the same stamp from a file (loaded memory-mapped,
   ``weights_only=True``), so a wrong ``ckpt_path`` is refused before anything is built.
 
@@ -32,6 +37,8 @@ from typing import Any
 import lightning.pytorch as pl
 import numpy as np
 import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_warn
 
 __all__ = ["ResumeState", "check_checkpoint", "get_rng_state", "set_rng_state"]
 
@@ -83,21 +90,38 @@ def check_checkpoint(path: str | Path, recipe: str, seed: int | None) -> None:
 
 
 class ResumeState(pl.Callback):
-    """Stamps checkpoints with ``recipe`` and ``seed`` and the global generator states; restores the states."""
+    """Stamps checkpoints with ``recipe`` and ``seed`` and every rank's global generator states; restores each
+    rank's own."""
 
     def __init__(self, recipe: str, seed: int | None) -> None:
         self.recipe = recipe
         self.seed = seed
-        self._pending_rng: Mapping[str, Any] | None = None
+        self._trainer: pl.Trainer | None = None
+        self._pending_rng: list[Mapping[str, Any]] | None = None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._trainer = trainer
 
     def state_dict(self) -> dict[str, Any]:
-        return {"recipe": self.recipe, "seed": self.seed, "rng": get_rng_state()}
+        own = get_rng_state()
+        ranks: list[Any] = [own]
+        if self._trainer is not None and self._trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            ranks = [None] * dist.get_world_size()
+            dist.all_gather_object(ranks, own)
+        return {"recipe": self.recipe, "seed": self.seed, "rng": ranks}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         _check_owner(state_dict, self.recipe, self.seed)
         self._pending_rng = state_dict["rng"]
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._pending_rng is not None:
-            set_rng_state(self._pending_rng)
-            self._pending_rng = None
+        if self._pending_rng is None:
+            return
+        saved, self._pending_rng = self._pending_rng, None
+        if trainer.world_size > len(saved):
+            rank_zero_warn(
+                f"the checkpoint holds generator states for {len(saved)} process(es), this run has "
+                f"{trainer.world_size}: ranks {len(saved)} and above keep fresh ones, so the resume is not bit-exact"
+            )
+        if trainer.global_rank < len(saved):
+            set_rng_state(saved[trainer.global_rank])

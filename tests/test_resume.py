@@ -1,13 +1,16 @@
 """ResumeState: the global generators' states round-trip through a weights_only checkpoint, are restored
-only at ``on_train_start``, and a checkpoint of another recipe or seed (or none of ours) is refused.
+only at ``on_train_start``, each rank from its own entry, and a checkpoint of another recipe or seed (or
+none of ours) is refused.
 
-The recipes' end-to-end resume (killed runs) is in ``test_resume_recipes.py``."""
+The recipes' end-to-end resume (killed runs) is in ``test_resume_recipes.py``; under DDP, where the ranks'
+states are gathered into the checkpoint, in ``test_ddp.py``."""
 
 from __future__ import annotations
 
 import random
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -35,7 +38,7 @@ def test_generator_states_round_trip_through_a_weights_only_file(tmp_path: Path)
     expected = draws()
     saved = torch.load(tmp_path / "a.ckpt", weights_only=True)["callbacks"]["ResumeState"]
     assert same(draws(), expected) == [False, False, False]  # the control: the generators moved on
-    set_rng_state(saved["rng"])
+    set_rng_state(saved["rng"][0])  # one process: one entry
     assert same(draws(), expected) == [True, True, True]
 
 
@@ -50,16 +53,53 @@ def test_cuda_generator_state_round_trips() -> None:
     assert torch.equal(torch.rand(3, device="cuda"), expected)
 
 
+def trainer(rank: int, world_size: int) -> SimpleNamespace:
+    return SimpleNamespace(global_rank=rank, world_size=world_size)
+
+
 def test_states_are_restored_at_train_start_not_when_loaded() -> None:
     state = ResumeState("alpha", 0).state_dict()
     expected = draws()
     callback = ResumeState("alpha", 0)
     callback.load_state_dict(state)
     moved = draws()  # building the run, a sanity check: draws that the uninterrupted run did not make
-    callback.on_train_start(None, None)  # type: ignore[arg-type]
+    callback.on_train_start(trainer(0, 1), None)  # type: ignore[arg-type]
     assert torch.equal(draws()[0], expected[0]) and not torch.equal(moved[0], expected[0])
-    callback.on_train_start(None, None)  # type: ignore[arg-type]  # once only
+    callback.on_train_start(trainer(0, 1), None)  # type: ignore[arg-type]  # once only
     assert not torch.equal(draws()[0], expected[0])
+
+
+def stamp_of_ranks(*seeds: int) -> tuple[dict, list[torch.Tensor]]:
+    """A checkpoint stamp whose rank r's torch generator was seeded with ``seeds[r]``, and each one's next draw."""
+    states, nexts = [], []
+    for seed in seeds:
+        torch.manual_seed(seed)
+        states.append(get_rng_state())
+        nexts.append(torch.rand(3))
+    return {"recipe": "alpha", "seed": 0, "rng": states}, nexts
+
+
+def test_each_rank_restores_its_own_entry() -> None:
+    stamp, (next0, next1) = stamp_of_ranks(10, 11)
+    assert not torch.equal(next0, next1)  # the control: rank 0's state on rank 1 would draw other numbers
+    for rank, expected in enumerate([next0, next1]):
+        callback = ResumeState("alpha", 0)
+        callback.load_state_dict(stamp)
+        callback.on_train_start(trainer(rank, 2), None)  # type: ignore[arg-type]
+        assert torch.equal(torch.rand(3), expected), rank
+
+
+def test_a_rank_the_checkpoint_has_no_entry_for_keeps_its_states_with_a_warning() -> None:
+    stamp, (next0,) = stamp_of_ranks(10)
+    for rank in (0, 1):
+        callback = ResumeState("alpha", 0)
+        callback.load_state_dict(stamp)
+        torch.manual_seed(99)
+        fresh = torch.rand(3)
+        torch.manual_seed(99)
+        with pytest.warns(UserWarning, match="states for 1 process\\(es\\), this run has 2.*not bit-exact"):
+            callback.on_train_start(trainer(rank, 2), None)  # type: ignore[arg-type]
+        assert torch.equal(torch.rand(3), [next0, fresh][rank]), rank
 
 
 @pytest.mark.parametrize(

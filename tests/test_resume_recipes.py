@@ -41,7 +41,7 @@ MUST_HOLD = {
     "dqn": ["state_dict/target.net.0.weight", "replay_buffer/obs", "dqn/rng", "dqn/episode_actions"],
     "gan": ["generator_ema/shadow/net.0.weight", "state_dict/judge.head.weight", "DigitsDataModule/shuffle"],
 }
-ALWAYS = ["state_dict", "optimizer_states/0/state", "callbacks/ResumeState/rng/torch", "loops"]
+ALWAYS = ["state_dict", "optimizer_states/0/state", "callbacks/ResumeState/rng/0/torch", "loops"]
 STEPS = {"ema": 4 * 90, "dqn": 7 * 16, "gan": 4 * 23 * 2}  # optimizer steps of the whole run
 WITHHELD = {  # the control: resuming without this leaves the run elsewhere
     "ema": (DigitsDataModule, "load_state_dict"),  # the shuffle generator: epochs would repeat the first orders
