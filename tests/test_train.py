@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import csv
 import json
+import re
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import pytest
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 import train
 from tests.conftest import compose_config, run_train
@@ -81,6 +84,17 @@ def test_multirun_sweeps_into_one_directory_per_job(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     seeds = sorted(json.loads((tmp_path / job / "summary.json").read_text())["seed"] for job in ("0", "1"))
     assert seeds == [0, 1]
+
+
+def test_runs_started_in_the_same_second_get_their_own_directories() -> None:
+    hydra_conf = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "config.yaml").hydra, resolve=False)
+    patterns = [re.fullmatch(r".*\$\{now:([^}]*)\}", hydra_conf[mode]["dir"])[1] for mode in ("run", "sweep")]
+    started = datetime(2026, 1, 31, 12, 0, 0, 481516)
+    for pattern in patterns:
+        assert started.strftime(pattern) != (started + timedelta(microseconds=1)).strftime(pattern)
+    # Control: named to the second, they would share one directory (and the second run's CSV logger would
+    # delete the first one's metrics.csv).
+    assert started.strftime("%Y-%m-%d_%H-%M-%S") == (started + timedelta(microseconds=1)).strftime("%Y-%m-%d_%H-%M-%S")
 
 
 def test_default_run_reaches_95_percent_validation_accuracy(tmp_path: Path) -> None:
