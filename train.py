@@ -7,7 +7,7 @@ and leaves in the run directory: ``metrics.csv``, ``checkpoints/``, ``summary.js
 Resume after a crash: the same command again, plus ``ckpt_path=`` the crashed run's directory (its
 ``checkpoints/last.ckpt``) or a checkpoint file::
 
-    python train.py +recipe=ema seed=1 ckpt_path=outputs/ema/2025-01-31_12-00-00
+    python train.py +recipe=ema seed=1 ckpt_path=outputs/ema/2025-01-31_12-00-00.481516
 
 The run continues in a new run directory and only reads the old one; it ends in the state the
 uninterrupted run would have reached, bit for bit on CPU (``tests/test_resume_recipes.py``).
@@ -39,11 +39,6 @@ CONF_DIR = Path(__file__).resolve().parent / "conf"
 _RECIPE_ARG = re.compile(r"^\+{0,2}recipe=(?P<names>.*)$")
 _HELP_FLAGS = {"-h", "--help", "--hydra-help", "--info", "-i"}
 _OTHER_CONFIG_FLAGS = ("-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir", "--experimental-rerun")
-
-# Expected, not actionable: Hydra's run directory already holds .hydra/ when the CSV logger opens it, and
-# Lightning 2.6 calls a torch pytree API that torch 2.13 deprecates.
-warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")
-warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
 
 
 def available_recipes() -> list[str]:
@@ -166,9 +161,19 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, pl.LightningModule, pl.Lightning
     return trainer, model, datamodule
 
 
+def ignore_expected_warnings() -> None:
+    """Expected, not actionable: Hydra's run directory already holds ``.hydra/`` when the CSV logger opens it,
+    and Lightning 2.6 calls a torch pytree API that torch 2.13 deprecates. Set in the process that trains,
+    which for a submitit launcher is a job that never runs this module's top level."""
+    warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Check ``ckpt_path``, build, fit, and return the final logged metrics as floats."""
     from hydra.errors import InstantiationException
+
+    ignore_expected_warnings()
 
     try:
         ckpt_path = checkpoint_to_resume(cfg)

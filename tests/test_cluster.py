@@ -70,4 +70,9 @@ def test_the_local_submitit_executor_runs_a_recipe(tmp_path: Path) -> None:
     (summary,) = (tmp_path / "multirun" / "metrics").glob("*/0/summary.json")
     assert json.loads(summary.read_text())["metrics"]["val/acc"] > 0.5
     assert list(summary.parent.parent.glob(".submitit/*/*_result.pkl"))  # it went through submitit
+    (job_log,) = summary.parent.parent.glob(".submitit/*/*_log.err")
+    log = job_log.read_text()
+    assert "GPU available" in log  # the control: the log holds what Lightning printed in the job
+    for expected in ("exists and is not empty", "isinstance(treespec, LeafSpec)"):  # train.py's ignored warnings
+        assert expected not in log, expected
     assert OmegaConf.load(summary.parent / ".hydra" / "hydra.yaml").hydra.launcher._target_.endswith("LocalLauncher")
