@@ -18,7 +18,8 @@ Training components:
     DeviceDataLoader   a DataLoader whose iterator is a DevicePrefetcher (DDP samplers still injected)
     make_loader        a loader that pins only for an accelerator, with or without the prefetcher
 
-Lightning callbacks:
+Lightning plugins and callbacks:
+    AtomicCheckpointIO   checkpoints streamed to a file beside the target and renamed over it: no torn files
     EMACallback          an EMA of the module: updated per optimizer step, evaluated beside it, checkpointed
     DataWaitMonitor      logs samples per second and the share of time spent waiting for batches
     GraphRetentionGuard  fails a run the step a graph leaks into outputs, attributes or metric states
@@ -27,6 +28,7 @@ Lightning callbacks:
     StepProbe            audits one training batch's copies and measures memory growth per batch
 """
 
+from components.atomic_checkpoint import AtomicCheckpointIO
 from components.copy_audit import CopyAudit, TensorEvent
 from components.data_wait import DataWaitMonitor
 from components.device_loader import DeviceDataLoader, make_loader
@@ -47,6 +49,7 @@ from components.target import hard_update, make_target, soft_update
 
 __all__ = [
     "EMA",
+    "AtomicCheckpointIO",
     "EMACallback",
     "CopyAudit",
     "DataWaitMonitor",

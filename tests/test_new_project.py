@@ -62,9 +62,10 @@ def docstring_paragraph(recipe: str, prefix: str) -> str:
     return " ".join(paragraph.removeprefix(prefix).split()).replace("``", "`")
 
 
-# The default suite leaves out, in the starters, the tests that train a recipe in full or start 2 processes: the
-# main suite runs the same files from the same source, and the slow test below runs a starter's whole suite.
-FAST = "not default_run and not ddp and not two_processes"
+# The default suite leaves out, in the starters, the tests that train a recipe in full, start 2 processes or kill
+# a checkpoint writer: the main suite runs the same files from the same source, and the slow test below runs a
+# starter's whole suite.
+FAST = "not default_run and not ddp and not two_processes and not writer_killed"
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -63,9 +63,8 @@ def resume_in_process(recipe: str, checkpoint: Path, output_dir: Path) -> Path:
 
 
 def run_until_killed(args: list[str], run_dir: Path) -> None:
-    """Start ``train.py`` and SIGKILL it the moment ``checkpoints/last.ckpt`` exists. Lightning writes a temporary
-    file and moves it into place, a rename (so the file is whole once it exists) where, as under ``tmp_path``,
-    the run directory is on the temporary directory's filesystem."""
+    """Start ``train.py`` and SIGKILL it the moment ``checkpoints/last.ckpt`` exists: ``AtomicCheckpointIO``
+    renames a whole file into place, so it is whole once it exists."""
     last = run_dir / "checkpoints" / "last.ckpt"
     with open(run_dir.parent / f"{run_dir.name}.log", "w") as log:
         process = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, stdout=log, stderr=log)
