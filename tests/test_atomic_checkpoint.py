@@ -19,12 +19,15 @@ import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 import train
-from components import AtomicCheckpointIO
+from components import AtomicCheckpointIO, MemoryProbe
 from tests.conftest import ROOT, compose_config
 
 
-def checkpoint(value: float, tensors: int = 4, elements: int = 250_000) -> dict:
-    return {"state_dict": {f"w{i}": torch.full((elements,), value) for i in range(tensors)}, "epoch": int(value)}
+def checkpoint(value: float, tensors: int = 4, elements: int = 250_000, device: str = "cpu") -> dict:
+    return {
+        "state_dict": {f"w{i}": torch.full((elements,), value, device=device) for i in range(tensors)},
+        "epoch": int(value),
+    }
 
 
 def assert_holds(path: Path, value: float) -> None:
@@ -33,13 +36,20 @@ def assert_holds(path: Path, value: float) -> None:
     assert all(torch.equal(t, torch.full_like(t, value)) for t in loaded["state_dict"].values())
 
 
-def test_round_trip_through_a_weights_only_load(tmp_path: Path) -> None:
+def test_round_trip_through_a_weights_only_load_allocating_nothing_on_the_device(
+    device: torch.device, tmp_path: Path
+) -> None:
     path = tmp_path / "checkpoints" / "last.ckpt"  # the directory is made
-    AtomicCheckpointIO().save_checkpoint(checkpoint(3.0), path)
+    state = checkpoint(3.0, device=device.type)
+    with MemoryProbe(device) as probe:
+        AtomicCheckpointIO().save_checkpoint(state, path)
+    assert probe.peak_bytes == 0  # on CUDA: each storage goes to the host once, no copy on the device
     assert_holds(path, 3.0)
-    AtomicCheckpointIO().save_checkpoint(checkpoint(4.0), path)  # over an existing one
+    AtomicCheckpointIO().save_checkpoint(checkpoint(4.0, device=device.type), path)  # over an existing one
     assert_holds(path, 4.0)
     assert sorted(p.name for p in path.parent.iterdir()) == ["last.ckpt"]  # no temporary file left
+    loaded = AtomicCheckpointIO().load_checkpoint(path, map_location=device, weights_only=True)
+    assert loaded["state_dict"]["w0"].device.type == device.type
 
 
 def test_a_save_holds_no_serialised_copy_of_the_checkpoint_in_memory(tmp_path: Path) -> None:
@@ -101,7 +111,7 @@ WRITER = """
 import sys, torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 import train
-from components import AtomicCheckpointIO
+from components import AtomicCheckpointIO, MemoryProbe
 path, io, n = sys.argv[1], {"ours": AtomicCheckpointIO, "lightning": TorchCheckpointIO}[sys.argv[2]](), 0
 while True:
     value = float(n % 2 + 1)
