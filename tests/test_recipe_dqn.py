@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import train
-from components import make_target, storage_key
-from recipes.dqn import CartPoleDQN
+from components import MemoryProbe, make_target, storage_key
+from recipes.dqn import CartPoleDQN, QNetwork
 from tests.conftest import QUIET, compose_config, run_train
 
 SHORT = [
@@ -82,6 +82,9 @@ def test_checkpoint_resumes_the_episode_in_progress_and_refuses_one_it_cannot_re
 def test_short_run_writes_summary_curve_and_a_weights_only_checkpoint(tmp_path: Path) -> None:
     result = run_train("+recipe=dqn", "trainer.enable_progress_bar=false", *SHORT, f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "GPU available" in result.stderr  # the control: Lightning's messages reach this stderr
+    for intended in ("in eval mode at the start of training", "no pre-optimization state was saved"):
+        assert intended not in result.stderr, intended
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["recipe"] == "dqn"
     assert {"eval/return", "eval/best_return", "train/episode_return"} <= set(summary["metrics"])
@@ -90,6 +93,34 @@ def test_short_run_writes_summary_curve_and_a_weights_only_checkpoint(tmp_path: 
     assert checkpoint["dqn"]["env_steps"] == 1536
     assert checkpoint["replay_buffer"]["size"] == 1536
     assert any(key.startswith("target.") for key in checkpoint["state_dict"])
+
+
+def test_the_pre_optimization_snapshot_lightnings_warning_suggests_keeps_a_copy_per_step() -> None:
+    """Why the recipe silences that warning: its example keeps ``{k: v.detach().clone()}`` of the whole
+    ``state_dict`` per batch index in a dict nothing empties, so a run holds one copy of the weights per step.
+    Checkpointing after the round, as the recipe does, keeps none (the control)."""
+    q = QNetwork(4, 2, 256)
+    optimizer = torch.optim.Adam(q.parameters())
+    weights = sum(t.numel() * t.element_size() for t in q.state_dict().values())
+
+    def step(batch_idx: int, saved_models: dict[int, dict[str, torch.Tensor]] | None) -> None:
+        loss = q(torch.randn(32, 4)).pow(2).mean()
+        if saved_models is not None:
+            saved_models[batch_idx] = {k: v.detach().clone() for k, v in q.state_dict().items()}
+        optimizer.zero_grad(set_to_none=False)  # gradients kept in place: a step leaves no new storage
+        loss.backward()
+        optimizer.step()
+
+    step(0, None)  # gradients and Adam's state exist from here on
+    with MemoryProbe("cpu") as recipe_way:
+        for batch_idx in range(20):
+            step(batch_idx, None)
+    suggested: dict[int, dict[str, torch.Tensor]] = {}
+    with MemoryProbe("cpu") as lightning_way:
+        for batch_idx in range(20):
+            step(batch_idx, suggested)
+    assert recipe_way.net_bytes == 0
+    assert lightning_way.net_bytes == 20 * weights
 
 
 def test_the_best_checkpoint_holds_the_policy_that_earned_its_score(tmp_path: Path) -> None:
