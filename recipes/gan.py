@@ -23,6 +23,7 @@ Change first: ``Generator`` and ``Discriminator``.
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,9 @@ from torchmetrics.image.fid import FrechetInceptionDistance
 from components import EMA, GradientAverager, frozen
 
 __all__ = ["Discriminator", "DigitsGAN", "Generator", "Judge", "discriminator_loss"]
+
+# The judge is in eval mode on purpose: trained once before the GAN, it only evaluates.
+warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
 
 PIXELS = 64
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -43,6 +44,13 @@ def compose_config(*overrides: str, output_dir: Path) -> DictConfig:
     """The config ``train.py`` would build for these overrides, writing into ``output_dir``."""
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         return compose("config", overrides=[f"paths.output_dir={output_dir}", *overrides])
+
+
+def warning_lines(stderr: str) -> list[str]:
+    """The Python warnings in a run's stderr (``path.py:LINE: message``), after checking that Lightning's own
+    messages reached it (so an empty list means a clean console, not a stderr that was lost)."""
+    assert "GPU available" in stderr, stderr[-3000:]
+    return re.findall(r"^\S+\.py:\d+: .*$", stderr, re.MULTILINE)
 
 
 def run_train(*args: str, timeout: int = 900) -> subprocess.CompletedProcess[str]:

@@ -8,12 +8,13 @@ from pathlib import Path
 
 import train
 from components import EMACallback, StepProbe, shares_storage
-from tests.conftest import QUIET, compose_config, run_train
+from tests.conftest import QUIET, compose_config, run_train, warning_lines
 
 
 def test_default_run_ema_accuracy_at_least_live(tmp_path: Path) -> None:
     result = run_train("+recipe=ema", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
+    assert warning_lines(result.stderr) == []
     summary = json.loads((tmp_path / "summary.json").read_text())
     live, ema = summary["metrics"]["val/acc"], summary["metrics"]["val/acc_ema"]
     print(f"ema recipe: val/acc {live:.4f}, val/acc_ema {ema:.4f} in {summary['wall_s']} s")

@@ -14,7 +14,7 @@ import torch
 from components import MemoryProbe
 from recipes.digits import DigitsDataModule
 from recipes.gan import DigitsGAN, Discriminator, Generator, _bce, discriminator_loss
-from tests.conftest import DEVICES, run_train
+from tests.conftest import DEVICES, run_train, warning_lines
 
 
 class StepInspector(pl.Callback):
@@ -104,6 +104,7 @@ def test_short_run_writes_samples_and_summary(tmp_path: Path) -> None:
     ]  # fmt: skip
     result = run_train(*args)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert warning_lines(result.stderr) == []
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert {"quality/confidence_ema", "quality/fid_ema", "quality/fid_floor", "quality/confidence"} <= set(
         summary["metrics"]

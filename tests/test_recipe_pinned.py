@@ -14,12 +14,13 @@ import train
 from components import DeviceDataLoader
 from recipes.digits import load_digits_split
 from recipes.pinned import AugmentedDigits, normalize
-from tests.conftest import QUIET, compose_config, run_train
+from tests.conftest import QUIET, compose_config, run_train, warning_lines
 
 
 def test_default_run_learns_and_reports_loading_figures(tmp_path: Path) -> None:
     result = run_train("+recipe=pinned", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
+    assert warning_lines(result.stderr) == []
     metrics = json.loads((tmp_path / "summary.json").read_text())["metrics"]
     print(
         f"pinned recipe: val/acc {metrics['val/acc']:.4f}, {metrics['perf/samples_per_s']:.0f} samples/s, "

@@ -13,7 +13,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 import train
-from tests.conftest import compose_config, run_train
+from tests.conftest import compose_config, run_train, warning_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["trainer.max_epochs=2", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
@@ -52,6 +52,7 @@ def test_run_writes_metrics_checkpoints_and_summary(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     result = run_train("+recipe=metrics", "seed=3", *QUICK, f"hydra.run.dir={run_dir}")
     assert result.returncode == 0, result.stderr[-3000:]
+    assert warning_lines(result.stderr) == []
     assert f"outputs: {run_dir}" in result.stdout
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["recipe"] == "metrics" and summary["seed"] == 3
