@@ -4,8 +4,8 @@ over it, so a kill at any moment leaves either the old checkpoint or the new one
 Copy contract:
 
 * ``torch.save`` streams the checkpoint into ``.NAME.tmp-PID`` in the target's own directory: each tensor's
-  bytes go from its storage to the file (``torch.save`` copies a CUDA storage to the host one storage at a
-  time, and allocates nothing on the device). No serialised copy of the whole checkpoint is held in memory.
+  bytes go from its storage to the file (a CUDA storage through the host; nothing is allocated on the
+  device). No serialised copy of the whole checkpoint is held in memory.
   The file is flushed and ``fsync``-ed, then ``os.replace``-d over the target (a rename, atomic within one
   filesystem, which the temporary file shares with its target by construction), and the directory is
   ``fsync``-ed so the rename survives a power loss.

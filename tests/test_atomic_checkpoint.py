@@ -175,7 +175,7 @@ def test_control_lightnings_writer_killed_while_it_moves_across_filesystems_leav
         torch.load(path, weights_only=True)
 
 
-def test_other_filesystems_go_through_lightnings_own_write(tmp_path: Path) -> None:
+def test_other_filesystems_go_through_lightnings_own_write() -> None:
     io = AtomicCheckpointIO()
     io.save_checkpoint(checkpoint(5.0), "memory://checkpoints/last.ckpt")
     assert io.load_checkpoint("memory://checkpoints/last.ckpt", weights_only=True)["epoch"] == 5
