@@ -2,7 +2,7 @@
 
 Probes (usable on any PyTorch code):
     CopyAudit          every op that allocates storage or writes in place, with bytes
-    MemoryProbe        peak / net bytes of a block, CUDA allocator or CPU live-storage ledger
+    MemoryProbe        peak / net bytes of the storage a block creates, one ledger on every device
     find_graph_refs    paths of tensors that keep an autograd graph alive
     shares_storage     storage-level aliasing (not ``data_ptr()`` equality)
 

@@ -1,4 +1,4 @@
-"""Shared machinery of ``CopyAudit`` and the CPU ``MemoryProbe``: see every storage an op creates
+"""Shared machinery of ``CopyAudit`` and ``MemoryProbe``: see every storage an op creates
 and every tensor an op writes into.
 
 Two interposition layers are entered together:
@@ -7,7 +7,9 @@ Two interposition layers are entered together:
   storage belongs to none of the op's inputs is new storage; an argument the op's schema marks as
   written (``Tensor(a!)``) is an in-place write.
 * a ``TorchFunctionMode`` sees ``Tensor.__deepcopy__``, whose storage is allocated in Python and
-  reaches ATen only through ``set_``; it is reported as one op named ``deepcopy``.
+  reaches ATen only through ``set_``; it is reported as one op named ``deepcopy``. It also sees
+  ``torch.tensor`` and ``torch.as_tensor`` from Python data, which build their storage below the
+  dispatcher's Python key; each is reported as one op of that name.
 
 Kernel-internal scratch memory (workspaces inside one op) is invisible at this level by design.
 """
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 from types import FrameType, TracebackType
 from typing import Any
 
+import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -44,6 +47,8 @@ _METADATA_ONLY = frozenset(
         "swapaxes_",
     }
 )
+
+_FROM_DATA = (torch.tensor, torch.as_tensor)  # new storage from Python data, made below the Python key
 
 _TORCH_DIR = f"{os.sep}torch{os.sep}"
 _STDLIB = sysconfig.get_paths()["stdlib"]
@@ -188,6 +193,15 @@ class StorageEvents:
                 self.on_alloc(self._event(name, "alloc", t, storage.nbytes()), storage)
         return out
 
+    def _from_data(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        out = func(*args, **kwargs)
+        data = args[0] if args else kwargs.get("data")
+        if isinstance(out, torch.Tensor) and not isinstance(data, (torch.Tensor, np.ndarray)) and not self._in_deepcopy:
+            storage = _storage_of(out)
+            if storage is not None and storage.nbytes():
+                self.on_alloc(self._event(func.__name__, "alloc", out, storage.nbytes()), storage)
+        return out
+
     def _deepcopy(self, func: Any, args: tuple, kwargs: dict) -> Any:
         self._in_deepcopy += 1
         try:
@@ -228,4 +242,6 @@ class _FunctionLayer(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func is torch.Tensor.__deepcopy__:
             return self.owner._deepcopy(func, args, kwargs or {})
+        if func in _FROM_DATA:
+            return self.owner._from_data(func, args, kwargs or {})
         return func(*args, **(kwargs or {}))

@@ -16,9 +16,9 @@ recorded: they share storage. What counts as a write: every tensor an op's schem
 (``copy_``, ``lerp_``, ``add_``, ``_foreach_lerp_`` once per tensor in its lists, ``out=`` arguments);
 metadata-only in-place ops (``set_``, ``resize_``, ``t_``…) are not writes.
 
-Works on CPU, CUDA and meta tensors; sees forward and backward ops alike. Storage allocated outside
-ATen (``torch.tensor([...])`` from Python data, ``torch.from_numpy``) and scratch space inside one
-kernel are not seen.
+Works on CPU, CUDA and meta tensors; sees forward and backward ops alike, and ``torch.tensor`` /
+``torch.as_tensor`` from Python data (op names ``tensor``, ``as_tensor``). Memory that ``torch.from_numpy``
+shares with NumPy and scratch space inside one kernel are not seen.
 """
 
 from __future__ import annotations

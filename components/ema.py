@@ -8,8 +8,10 @@ Copy contract:
   itself is never deep-copied.
 * ``update(model)`` writes into the shadow in place under ``torch.no_grad()`` (whatever the caller's grad
   mode): one ``torch._foreach_lerp_`` per (device, dtype) group of floating tensors, one
-  ``torch._foreach_copy_`` for integer buffers (``num_batches_tracked``). It allocates nothing and reads
-  no value back to the host. Floating buffers (BatchNorm statistics) are averaged like parameters.
+  ``torch._foreach_copy_`` for integer buffers (``num_batches_tracked``). It allocates nothing, reads
+  no value back to the host, and raises each shadow tensor's version by one on every device (so does every
+  other write below: ``components._foreach_writes``). Floating buffers (BatchNorm statistics) are averaged
+  like parameters.
 * A model in float16/bfloat16 gets a float32 shadow (``shadow_dtype=None``): at decay 0.9999 a bf16
   shadow rounds every small update away. A group whose shadow dtype or device differs from the model's
   keeps a staging copy of the live tensors in the shadow's dtype and device, allocated once.
@@ -32,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from components._foreach_writes import foreach_copy_, foreach_lerp_
 from components._module_tensors import TensorRefs, state_entries
 
 __all__ = ["EMA"]
@@ -187,12 +190,12 @@ class EMA:
             for group in self._groups:
                 lives = self._checked_lives(group)
                 if group.staging:
-                    torch._foreach_copy_(group.staging, lives)
+                    foreach_copy_(group.staging, lives)
                     lives = group.staging
                 if group.average and not copy:
-                    torch._foreach_lerp_(group.shadows, lives, weight)
+                    foreach_lerp_(group.shadows, lives, weight)
                 else:
-                    torch._foreach_copy_(group.shadows, lives)
+                    foreach_copy_(group.shadows, lives)
         finally:
             torch._C._set_grad_enabled(grad_was_enabled)
         if not copy:
@@ -209,7 +212,7 @@ class EMA:
         if model is None or _unwrap(model) is self._model:
             with torch.no_grad():
                 for group, lives in self._live_groups(model):
-                    torch._foreach_copy_(lives, group.shadows)
+                    foreach_copy_(lives, group.shadows)
             return
         targets = _unwrap(model).state_dict(keep_vars=True)
         for name, shadow in self.shadow.items():
@@ -231,7 +234,7 @@ class EMA:
             for i, (group, lives) in enumerate(pairs):
                 if group.staging:
                     backups[i] = [live.to(s.device, copy=True) for live, s in zip(lives, group.shadows, strict=True)]
-                    torch._foreach_copy_(lives, group.shadows)
+                    foreach_copy_(lives, group.shadows)
                 else:
                     _swap(lives, group.shadows, scratch)
         try:
@@ -240,7 +243,7 @@ class EMA:
             with torch.no_grad():
                 for i, (group, lives) in enumerate(pairs):
                     if i in backups:
-                        torch._foreach_copy_(lives, backups.pop(i))
+                        foreach_copy_(lives, backups.pop(i))
                     else:
                         _swap(lives, group.shadows, scratch)
 

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from components._flat import flat_views
+from components._foreach_writes import foreach_copy_
 from components._module_tensors import TensorRefs, state_entries
 from components.ema import EMA
 
@@ -152,9 +153,9 @@ class EMACallback(pl.Callback):
         with torch.no_grad():
             for refs, flat, views in self._broadcast:
                 buffers = refs.resolve()
-                torch._foreach_copy_(views, buffers)
+                foreach_copy_(views, buffers)
                 dist.broadcast(flat, src=0)
-                torch._foreach_copy_(buffers, views)
+                foreach_copy_(buffers, views)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.ema_weights_at_end and self.ema is not None:

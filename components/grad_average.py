@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from components._flat import flat_views
+from components._foreach_writes import foreach_copy_
 
 __all__ = ["GradientAverager"]
 
@@ -60,7 +61,7 @@ class GradientAverager:
             self._groups = [(members, *flat_views([p.grad for p in members])) for members in grouped.values()]
         for members, flat, views in self._groups:
             grads = [p.grad for p in members]
-            torch._foreach_copy_(views, grads)
+            foreach_copy_(views, grads)
             dist.all_reduce(flat)
             flat.div_(world)
-            torch._foreach_copy_(grads, views)
+            foreach_copy_(grads, views)

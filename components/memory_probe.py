@@ -1,26 +1,26 @@
-"""``MemoryProbe``: peak and net memory of a block of code, with one meaning on CPU and CUDA.
+"""``MemoryProbe``: peak and net memory of a block of code, with one meaning on every device.
 
-Copy contract: the probe copies nothing. On CPU (and meta) it holds weak references only, so it never
-keeps a tensor alive; on CUDA it reads the caching allocator's counters.
+Copy contract: the probe copies nothing and holds weak references only, so it never keeps a tensor alive.
 
-    with MemoryProbe("cpu") as probe:
+    with MemoryProbe("cpu") as probe:     # or "cuda", "cuda:1", "meta": the same figures for the same code
         for _ in range(200):
             train_step()
     assert probe.net_bytes <= 1024, probe.report()
 
-``peak_bytes`` is the highest live total reached inside the block above the level at entry;
-``net_bytes`` is what is still live at exit (or now, while inside) above that level.
+**The definition, on every device:** ``net_bytes`` is the size of the storage created inside the block on the
+probe's device that is still alive at exit, and ``peak_bytes`` the most of it alive at once inside the block;
+memory that existed before the block never counts, not even when the block frees it.
 
-* CUDA: ``torch.cuda.memory_allocated`` / ``max_memory_allocated`` of the probe's device. Entering
-  resets that device's peak statistics (an enclosing probe first takes note of its peak so far, so
-  nested probes stay right). Memory freed inside the block that was allocated before it counts
-  negative, as the allocator sees it.
-* Other devices: a live-storage ledger. Every storage that an ATen op (or ``deepcopy``) creates inside
-  the block on the probe's device is counted until its last reference dies (a weak-reference finalizer
-  tells), so a slice that keeps a big buffer alive keeps all of it counted. Storage allocated before the
-  block is ignored, also when freed inside it; storage made outside ATen (``torch.tensor([...])``,
-  ``torch.from_numpy``) and scratch space inside one kernel are not seen.
-  ``torch.cuda.max_memory_allocated()`` returns 0 without a GPU, which is why the CPU needs this.
+So ``a = a * 0.5 + b * 0.5`` nets the new ``a`` (the old one was there before), ``del old_tensor`` nets 0,
+an in-place ``a.lerp_(b, 0.5)`` nets 0, and a slice that keeps a big buffer alive keeps all of it counted.
+This is what a leak check needs: a loop that keeps nothing it makes nets 0 whatever it frees.
+
+How: a live-storage ledger. Every storage that an ATen op, ``torch.tensor(...)`` or ``deepcopy`` creates
+inside the block on the probe's device is counted, at its storage's byte size, until its last reference
+dies (a weak-reference finalizer tells), on whichever thread made it (autograd's backward threads
+included). The CUDA caching allocator's counters are not used: they count the frees of older tensors too,
+and round every block up to 512 bytes. Not seen, on any device: scratch space inside one kernel (cuBLAS
+and cuDNN workspaces) and memory that libraries take outside torch's ops (NCCL buffers, ``from_numpy``).
 """
 
 from __future__ import annotations
@@ -34,15 +34,13 @@ from components._storage_events import StorageEvents, TensorEvent, human_bytes
 
 __all__ = ["MemoryProbe"]
 
-_ACTIVE_ON_CUDA: dict[torch.device, list[MemoryProbe]] = {}  # open CUDA probes per device, outermost first
-
 
 class MemoryProbe:
-    """Context manager giving ``.peak_bytes`` and ``.net_bytes`` above the level at entry.
+    """Context manager giving ``.peak_bytes`` and ``.net_bytes`` of the storage created inside the block.
 
     Args:
         device: the device whose memory is measured (``"cpu"``, ``"cuda"``, ``"cuda:1"``, ``"meta"``).
-        trace: on the ledger, record where each surviving storage was created (see ``survivors``).
+        trace: record where each surviving storage was created (see ``survivors``).
     """
 
     def __init__(self, device: str | torch.device = "cpu", *, trace: bool = False) -> None:
@@ -53,38 +51,21 @@ class MemoryProbe:
             if device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
-        self._ledger = _Ledger(device, trace=trace) if device.type != "cuda" else None
-        self._start = 0
+        self._ledger = _Ledger(device, trace=trace)
         self._peak = 0
         self._net: int | None = None
-        self._active = False
 
     @property
     def active(self) -> bool:
         """True between entering and leaving the block."""
-        return self._active
-
-    @property
-    def uses_allocator(self) -> bool:
-        """True on CUDA (allocator statistics), False elsewhere (live-storage ledger)."""
-        return self._ledger is None
+        return self._ledger.active
 
     def __enter__(self) -> MemoryProbe:
-        if self._active:
+        if self.active:
             raise RuntimeError("MemoryProbe is already active; it cannot be re-entered")
-        self._active = True
         self._net = None
-        if self._ledger is None:
-            torch.cuda.synchronize(self.device)
-            for outer in _ACTIVE_ON_CUDA.setdefault(self.device, []):  # keep their peaks across our reset
-                outer._peak = max(outer._peak, outer._read()[0])
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self._start = torch.cuda.memory_allocated(self.device)
-            self._peak = 0
-            _ACTIVE_ON_CUDA[self.device].append(self)
-        else:
-            self._ledger.reset()
-            self._ledger.__enter__()
+        self._ledger.reset()
+        self._ledger.__enter__()
         return self
 
     def __exit__(
@@ -93,52 +74,33 @@ class MemoryProbe:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._ledger is None:
-            torch.cuda.synchronize(self.device)
-            _ACTIVE_ON_CUDA[self.device].remove(self)
-        else:
-            self._ledger.__exit__(exc_type, exc, tb)
-        peak, self._net = self._read()
-        self._peak = max(self._peak, peak)
-        if self._ledger is not None:
-            self._ledger.stop_tracking()
-        self._active = False
-
-    def _read(self) -> tuple[int, int]:
-        """(peak, net) above the entry level, now (on CUDA, since the device's peak was last reset)."""
-        if self._ledger is None:
-            peak = torch.cuda.max_memory_allocated(self.device) - self._start
-            return peak, torch.cuda.memory_allocated(self.device) - self._start
-        return self._ledger.peak, self._ledger.live
+        self._ledger.__exit__(exc_type, exc, tb)
+        self._peak, self._net = self._ledger.peak, self._ledger.live
+        self._ledger.stop_tracking()
 
     @property
     def peak_bytes(self) -> int:
-        """Highest live bytes above the entry level, inside the block (so far, while inside)."""
-        return max(self._peak, self._read()[0]) if self._active else self._peak
+        """The most bytes created inside the block alive at once (so far, while inside)."""
+        return self._ledger.peak if self.active else self._peak
 
     @property
     def net_bytes(self) -> int:
-        """Live bytes above the entry level: at exit, or now while inside."""
-        if self._active:
-            return self._read()[1]
+        """Bytes created inside the block and still alive: at exit, or now while inside."""
+        if self.active:
+            return self._ledger.live
         if self._net is None:
             raise RuntimeError("MemoryProbe was never entered")
         return self._net
 
     @property
     def survivors(self) -> list[TensorEvent]:
-        """Ledger only: the storages created inside that were still alive at exit (or now)."""
-        if self._ledger is None:
-            raise RuntimeError("survivors are only tracked by the CPU ledger, not on CUDA")
+        """The storages created inside that were still alive at exit (or now)."""
         return list(self._ledger.survivors)
 
     def report(self) -> str:
-        """One line of figures, plus the largest survivors on the ledger."""
-        how = "CUDA allocator" if self._ledger is None else "storage ledger"
-        line = (
-            f"MemoryProbe({self.device}, {how}): peak {human_bytes(self.peak_bytes)}, net {human_bytes(self.net_bytes)}"
-        )
-        if self._ledger is None or not self.survivors:
+        """One line of figures, plus the largest survivors."""
+        line = f"MemoryProbe({self.device}): peak {human_bytes(self.peak_bytes)}, net {human_bytes(self.net_bytes)}"
+        if not self.survivors:
             return line
         top = sorted(self.survivors, key=lambda e: -e.nbytes)[:10]
         rows = [f"  {human_bytes(e.nbytes):>10}  {e.op} {list(e.shape)} {e.dtype} {e.where or ''}" for e in top]

@@ -8,8 +8,9 @@ Copy contract:
 * ``hard_update(target, online)`` and ``soft_update(target, online, tau)`` write into the target's existing
   storage under ``no_grad`` whatever the caller's grad mode: one ``torch._foreach_copy_`` /
   ``torch._foreach_lerp_`` per (device, dtype) group over tensor lists built once per (target, online)
-  pair. No allocation, each target tensor's ``_version`` rises by exactly one, nothing is read back to
-  the host. ``hard_update`` is bit-exact, NaN and Inf included. Buffers come along: BatchNorm
+  pair. No allocation, each target tensor's ``_version`` rises by exactly one on every device (so autograd
+  refuses a backward through a target tensor saved before the update; ``components._foreach_writes``),
+  nothing is read back to the host. ``hard_update`` is bit-exact, NaN and Inf included. Buffers come along: BatchNorm
   statistics are copied (hard) or averaged (soft), integer buffers copied.
 * ``load_state_dict`` in the loop does the same copy with a ``state_dict()`` walk, a dict of aliases and
   a Python loop per call; ``target.data.copy_(tau * q + (1 - tau) * t)`` allocates three temporaries per
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from components._foreach_writes import foreach_copy_, foreach_lerp_
 from components._module_tensors import TensorRefs, state_entries
 
 __all__ = ["hard_update", "make_target", "soft_update"]
@@ -46,7 +48,7 @@ def hard_update(target: nn.Module, online: nn.Module) -> None:
     """Copy every parameter and buffer of ``online`` into ``target``, in place and bit for bit."""
     with torch.no_grad():
         for group in _pairs(target, online):
-            torch._foreach_copy_(group.target.resolve(), group.online.resolve())
+            foreach_copy_(group.target.resolve(), group.online.resolve())
 
 
 def soft_update(target: nn.Module, online: nn.Module, tau: float) -> None:
@@ -59,9 +61,9 @@ def soft_update(target: nn.Module, online: nn.Module, tau: float) -> None:
     with torch.no_grad():
         for group in _pairs(target, online):
             if group.average and tau < 1.0:
-                torch._foreach_lerp_(group.target.resolve(), group.online.resolve(), tau)
+                foreach_lerp_(group.target.resolve(), group.online.resolve(), tau)
             else:
-                torch._foreach_copy_(group.target.resolve(), group.online.resolve())
+                foreach_copy_(group.target.resolve(), group.online.resolve())
 
 
 @dataclass

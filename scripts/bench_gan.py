@@ -1,7 +1,7 @@
 """Benchmark the gan recipe's training step against the "generator twice" step, in one process.
 
     python scripts/bench_gan.py                  # CPU; writes its section of docs/benchmarks.md
-    python scripts/bench_gan.py --device cuda    # the same on a GPU (peak memory from the allocator)
+    python scripts/bench_gan.py --device cuda    # the same on a GPU
     python scripts/bench_gan.py --quick --output /tmp/b.md
 
 Ours (the recipe): ``fake = G(z)`` once; the discriminator step on ``fake.detach()`` (one D forward over
