@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 CONF_DIR = Path(__file__).resolve().parent / "conf"
 _RECIPE_ARG = re.compile(r"^\+{0,2}recipe=(?P<names>.*)$")
 _HELP_FLAGS = {"-h", "--help", "--hydra-help", "--info", "-i"}
+MATMUL_PRECISIONS = ("highest", "high", "medium")
 _OTHER_CONFIG_FLAGS = ("-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir", "--experimental-rerun")
 
 
@@ -151,8 +152,13 @@ def _instantiate(cfg: DictConfig, key: str, **kwargs: Any) -> Any:
 def build(cfg: DictConfig) -> tuple[pl.Trainer, pl.LightningModule, pl.LightningDataModule | None]:
     """Seed, then instantiate the datamodule, model, callbacks, loggers and trainer named in ``cfg``."""
     import lightning.pytorch as pl
+    import torch
 
     pl.seed_everything(cfg.seed, workers=True, verbose=False)  # the seed is in .hydra/config.yaml and summary.json
+    precision = cfg.get("float32_matmul_precision", "highest")
+    if precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"float32_matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)}, got {precision!r}")
+    torch.set_float32_matmul_precision(precision)
     datamodule = _instantiate(cfg, "data") if cfg.get("data") is not None else None
     model = _instantiate(cfg, "model")
     callbacks = [_instantiate(cfg, f"callbacks.{k}") for k, c in (cfg.get("callbacks") or {}).items() if c is not None]
@@ -162,11 +168,15 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, pl.LightningModule, pl.Lightning
 
 
 def ignore_expected_warnings() -> None:
-    """Expected, not actionable: Hydra's run directory already holds ``.hydra/`` when the CSV logger opens it,
-    and Lightning 2.6 calls a torch pytree API that torch 2.13 deprecates. Set in the process that trains,
-    which for a submitit launcher is a job that never runs this module's top level."""
+    """Expected, not actionable: Hydra's run directory already holds ``.hydra/`` when the CSV logger opens it;
+    Lightning 2.6 calls a torch pytree API that torch 2.13 deprecates; and on a machine with more than three
+    cores Lightning advises more DataLoader workers, while each recipe chooses its workers on purpose (the
+    digits are in memory, so workers would only add inter-process copies; ``pinned`` has ``data.num_workers``).
+    Set in the process that trains, which for a submitit launcher is a job that never runs this module's top
+    level."""
     warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    warnings.filterwarnings("ignore", message=r"The '\w+' does not have many workers which may be a bottleneck")
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:

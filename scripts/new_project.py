@@ -263,8 +263,14 @@ def plan(recipe: str, name: str, root: Path = ROOT) -> Starter:
 
 
 def _conf_files(root: Path, recipe: str) -> list[Path]:
+    """Every config file but the other recipes' ``conf/recipe/NAME.yaml`` and their own groups (``conf/NAME/``)."""
     conf = root / "conf"
-    return sorted(path for path in conf.rglob("*.yaml") if path.parent != conf / "recipe" or path.stem == recipe)
+    others = set(known_recipes(root)) - {recipe}
+    return sorted(
+        path
+        for path in conf.rglob("*.yaml")
+        if (path.parent != conf / "recipe" or path.stem == recipe) and path.relative_to(conf).parts[0] not in others
+    )
 
 
 def _closure(tree: SourceTree, start: set[str], recipe: str) -> set[str]:

@@ -53,9 +53,16 @@ def warning_lines(stderr: str) -> list[str]:
     return re.findall(r"^\S+\.py:\d+: .*$", stderr, re.MULTILINE)
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a child process that imports this checkout first. The rest of ``PYTHONPATH`` is kept: a
+    machine may provide packages there (the GPU check installs hydra-core and gymnasium into a directory on it)."""
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *kept]), **extra}
+
+
 def run_train(*args: str, timeout: int = 900) -> subprocess.CompletedProcess[str]:
     """``python train.py ARGS`` in a subprocess from the repository root, output captured."""
     return subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env=child_env(PYTHONUNBUFFERED="1"),
     )  # fmt: skip

@@ -20,7 +20,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
 import train
 from components import AtomicCheckpointIO, MemoryProbe
-from tests.conftest import ROOT, compose_config
+from tests.conftest import ROOT, child_env, compose_config
 
 
 def checkpoint(value: float, tensors: int = 4, elements: int = 250_000, device: str = "cpu") -> dict:
@@ -127,7 +127,7 @@ def kill_mid_write(path: Path, io: str, writing: Callable[[int, int], bool], **e
     its second write under way. Returns the writer's pid."""
     writer = subprocess.Popen(
         [sys.executable, "-c", WRITER, str(path), io], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **env},
+        env=child_env(**env),
     )  # fmt: skip
     assert writer.stdout is not None
     assert writer.stdout.readline().strip() == "1"

@@ -15,7 +15,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from tests.conftest import CONF_DIR, ROOT
+from tests.conftest import CONF_DIR, ROOT, child_env
 
 submitit = pytest.importorskip("submitit", reason="the cluster extra: pip install -e '.[cluster]'")
 
@@ -64,7 +64,7 @@ def test_the_local_submitit_executor_runs_a_recipe(tmp_path: Path) -> None:
         [sys.executable, str(ROOT / "train.py"), "-m", "+recipe=metrics", "hydra/launcher=submitit_local",
          "trainer.max_epochs=1", "trainer.enable_progress_bar=false"],
         cwd=tmp_path, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env=child_env(),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     (summary,) = (tmp_path / "multirun" / "metrics").glob("*/0/summary.json")

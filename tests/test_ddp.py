@@ -4,7 +4,6 @@ run resumed from a checkpoint ends on every rank as the uninterrupted one, per-r
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, child_env
 
 SHORT = {
     "metrics": ["trainer.max_epochs=2"],
@@ -34,8 +33,9 @@ def run_ddp(recipe: str, cwd: Path, *extra: str) -> tuple[subprocess.CompletedPr
         "+callbacks.rank_state._target_=tests.scripts.rank_state.SaveRankState",
         f"+callbacks.rank_state.dirpath={cwd / 'ranks'}",
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
+    result = subprocess.run(
+        command, cwd=cwd, capture_output=True, text=True, timeout=600, env=child_env(PYTHONUNBUFFERED="1")
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     load = lambda rank: torch.load(cwd / "ranks" / f"rank{rank}.pt", weights_only=True)  # noqa: E731
     return result, load(0), load(1)

@@ -40,8 +40,11 @@ sys.exit(pytest.main(["-q", "-rfE", "-p", "no:cacheprovider", *sys.argv[2:]], pl
 
 
 def clean_env() -> dict[str, str]:
-    """The environment without anything that would put the main repository on the import path."""
-    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    """The environment without anything that would put the main repository on the import path (other ``PYTHONPATH``
+    entries stay: a machine may provide packages there, as the GPU check does)."""
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != ROOT]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    return {**env, "PYTHONPATH": os.pathsep.join(kept)} if kept else env
 
 
 def generate(recipe: str, dest: Path) -> Path:
@@ -123,6 +126,9 @@ def test_starter_holds_only_the_components_and_tests_it_needs(tmp_path: Path) ->
     assert "GraphRetentionGuard" in init and "EMA" not in init and "ReplayBuffer" not in init
     assert '"gymnasium' in (dqn / "pyproject.toml").read_text()
     assert '"gymnasium' not in (metrics / "pyproject.toml").read_text()
+    pinned = generate("pinned", tmp_path / "pinned")
+    assert (pinned / "conf" / "pinned" / "gpu_scale.yaml").is_file()  # the recipe's own option group comes along
+    assert not (metrics / "conf" / "pinned").exists()  # another recipe's does not
 
 
 SMALL_TREE = {
@@ -208,3 +214,13 @@ def test_readme_commands_install_train_and_test_in_a_fresh_venv(tmp_path: Path) 
         )  # fmt: skip
         assert result.returncode == 0, f"{command}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     assert len(list(dest.glob("outputs/gan/*/summary.json"))) == 1
+
+
+def test_a_starters_suite_runs_without_this_checkout_but_with_the_machines_python_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    site = "/opt/machine-site"  # where a GPU machine without a registry gets hydra-core
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), site]))
+    assert clean_env()["PYTHONPATH"] == site
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    assert "PYTHONPATH" not in clean_env()

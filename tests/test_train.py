@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
+import subprocess
+import sys
+import warnings
 from datetime import datetime, timedelta
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 import train
-from tests.conftest import compose_config, run_train, warning_lines
+from tests.conftest import child_env, compose_config, run_train, warning_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["trainer.max_epochs=2", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
@@ -105,3 +111,51 @@ def test_default_run_reaches_95_percent_validation_accuracy(tmp_path: Path) -> N
     summary = json.loads((tmp_path / "summary.json").read_text())
     print(f"default metrics run: val/acc {summary['metrics']['val/acc']:.4f} in {summary['wall_s']} s")
     assert summary["metrics"]["val/acc"] >= 0.95
+
+
+def test_lightnings_advice_for_more_workers_is_silenced_on_a_many_core_machine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a machine with more than three cores (the GPU machine has 16) Lightning advises more workers for every
+    recipe's loader; this machine has 2, so the test gives Lightning 16. Control: without the recipes' filter, the
+    warning is there."""
+    from lightning.pytorch.trainer.connectors.data_connector import _worker_check
+    from torch.utils.data import DataLoader
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    trainer = SimpleNamespace(num_devices=1)
+    for filtered in (False, True):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if filtered:
+                train.ignore_expected_warnings()
+            _worker_check(trainer, DataLoader(range(8)), "train_dataloader")  # type: ignore[arg-type]
+        advice = [w for w in caught if "does not have many workers" in str(w.message)]
+        assert len(advice) == (0 if filtered else 1)
+
+
+def test_float32_matmul_precision_comes_from_the_config(tmp_path: Path) -> None:
+    before = torch.get_float32_matmul_precision()
+    try:
+        cfg = compose_config("+recipe=metrics", output_dir=tmp_path)
+        assert cfg.float32_matmul_precision == "high"
+        torch.set_float32_matmul_precision("highest")
+        train.build(cfg)
+        assert torch.get_float32_matmul_precision() == "high"
+        train.build(compose_config("+recipe=metrics", "float32_matmul_precision=highest", output_dir=tmp_path))
+        assert torch.get_float32_matmul_precision() == "highest"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_child_processes_keep_the_machines_own_python_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU machine without registry access provides hydra-core on PYTHONPATH; the processes the tests start (DDP
+    ranks, killed writers, starters' suites) must keep it. Control: ``PYTHONPATH=ROOT`` alone, as the tests set it
+    before, loses it."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "machine_package.py").write_text("")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    probe = [sys.executable, "-c", "import machine_package, components"]
+    assert subprocess.run(probe, cwd=tmp_path, env=child_env()).returncode == 0
+    old = {**os.environ, "PYTHONPATH": str(ROOT)}
+    assert subprocess.run(probe, cwd=tmp_path, env=old, capture_output=True).returncode != 0

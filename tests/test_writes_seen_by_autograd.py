@@ -20,8 +20,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from components import EMA, CopyAudit, EMACallback, GradientAverager, ReplayBuffer, hard_update, make_target, soft_update
-from tests.conftest import CUDA, DEVICES
+from components import (
+    EMA,
+    CopyAudit,
+    EMACallback,
+    GradientAverager,
+    ReplayBuffer,
+    hard_update,
+    make_target,
+    soft_update,
+)
+from tests.conftest import CUDA
 
 STALE = "modified by an inplace operation"
 
