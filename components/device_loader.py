@@ -62,7 +62,7 @@ class DeviceDataLoader(DataLoader):
 
 def make_loader(
     dataset: Dataset,
-    batch_size: int,
+    batch_size: int | None,
     *,
     device: torch.device | str = "cpu",
     prefetch: bool = True,
@@ -72,12 +72,15 @@ def make_loader(
 ) -> DataLoader:
     """A loader for batches bound for ``device``: ``DeviceDataLoader`` when ``prefetch``, else a ``DataLoader``.
 
-    ``pin_memory`` is on exactly when ``device`` is an accelerator; ``persistent_workers`` whenever there
-    are workers. ``transform`` needs ``prefetch`` (without it, apply it after your framework's copy).
-    Other keyword arguments (``shuffle``, ``generator``, ``drop_last``…) go to the ``DataLoader``.
+    ``batch_size=None``: the dataset's items are whole batches (``DataLoader``'s own meaning), handed on without
+    collation. ``pin_memory`` is on exactly when ``device`` is an accelerator (a batch that is already pinned
+    memory, such as a slice of a pinned tensor, is handed on as it is: ``Tensor.pin_memory`` copies only
+    pageable memory); ``persistent_workers`` whenever there are workers. ``transform`` needs ``prefetch``
+    (without it, apply it after your framework's copy). Other keyword arguments (``shuffle``, ``generator``,
+    ``drop_last``…) go to the ``DataLoader``.
     """
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1 or None, got {batch_size}")
     if num_workers < 0:
         raise ValueError(f"num_workers must be >= 0, got {num_workers}")
     if transform is not None and not prefetch:

@@ -45,6 +45,7 @@ REFUSED = [
 
 OUT_OF_RANGE = [
     ("metrics", "model.lr=-1", "model.lr must be > 0, got -1"),
+    ("metrics", "float32_matmul_precision=low", "float32_matmul_precision must be one of highest, high, medium, got"),
     ("metrics", "data.batch_size=0", "data.batch_size must be >= 1, got 0"),
     ("metrics", "data.val_fraction=1.5", "data.val_fraction must be in (0, 1), got 1.5"),
     ("ema", "callbacks.ema.decay=1.5", "callbacks.ema.decay must be in [0, 1), got 1.5"),
@@ -61,6 +62,11 @@ OUT_OF_RANGE = [
     ("pinned", "data.size=4", "data.size must be >= 8, got 4"),
     ("pinned", "data.val_fraction=0.001", "data.val_fraction=0.001 leaves 2 validation and 1795 training digits"),
     ("pinned", "model.lr=0", "model.lr must be > 0, got 0"),
+    ("pinned", "model.stem_stride=0", "model.stem_stride must be >= 1, got 0"),
+    ("pinned", "data.source=disk", "data.source must be one of workers, store, got 'disk'"),
+    ("pinned", "data.channels=2", "data.channels must be 1 or 3, got 2"),
+    ("pinned", "data.batches_per_epoch=0", "data.batches_per_epoch must be >= 1, got 0"),
+    ("pinned", "+pinned=gpu_scale data.store_size=1024", "data.store_size must be >= data.batch_size=2048, got 1024"),
 ]
 
 
@@ -110,6 +116,6 @@ def test_out_of_range_value_is_refused_by_build_naming_its_key(
     recipe: str, override: str, message: str, tmp_path: Path
 ) -> None:
     with pytest.raises(ValueError) as refused:
-        train.build(compose_config(f"+recipe={recipe}", override, output_dir=tmp_path))
+        train.build(compose_config(f"+recipe={recipe}", *override.split(), output_dir=tmp_path))
     assert str(refused.value).startswith(message)
     train.build(compose_config(f"+recipe={recipe}", output_dir=tmp_path))  # the control: the defaults build
