@@ -24,26 +24,24 @@ __all__ = ["foreach_copy_", "foreach_lerp_"]
 
 def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     """``dst[i].copy_(src[i])`` for every i, in one call; every ``dst`` version raised by one."""
-    if not dst:
-        return
-    before = _version(dst[0])
+    first = dst[0]
+    before = _version(first)
     torch._foreach_copy_(dst, src)
-    _bump_if_missed(dst, before)
+    if before is not None and first._version == before:
+        torch._C._increment_version(dst)
 
 
 def foreach_lerp_(dst: list[torch.Tensor], src: list[torch.Tensor], weight: float) -> None:
     """``dst[i].lerp_(src[i], weight)`` for every i, in one call; every ``dst`` version raised by one."""
-    if not dst:
-        return
-    before = _version(dst[0])
+    first = dst[0]
+    before = _version(first)
     torch._foreach_lerp_(dst, src, weight)
-    _bump_if_missed(dst, before)
+    if before is not None and first._version == before:
+        torch._C._increment_version(dst)
 
 
 def _version(t: torch.Tensor) -> int | None:
-    return None if t.is_inference() else t._version  # inference tensors have no version counter
-
-
-def _bump_if_missed(dst: list[torch.Tensor], before: int | None) -> None:
-    if before is not None and dst[0]._version == before:
-        torch._C._increment_version(dst)
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter: nothing to keep
+        return None

@@ -5,11 +5,22 @@
     python scripts/bench_target.py --quick --output /tmp/b.md   # smoke run
 
 Hard copy: ``components.hard_update``, ``target.load_state_dict(online.state_dict())`` (Lightning's DQN
-example), a per-tensor ``t.data.copy_(q.data)`` loop, a bare ``_foreach_copy_`` over prebuilt lists.
-Soft (Polyak, tau = 0.005): ``components.soft_update``, per-tensor ``mul_`` then ``add(out=)``
+example), a per-tensor ``t.data.copy_(q.data)`` loop, a bare ``_foreach_copy_`` per dtype over prebuilt
+lists (the same calls as ours, without our bookkeeping), and one ``_foreach_copy_`` over a list that mixes
+dtypes. Soft (Polyak, tau = 0.005): ``components.soft_update``, per-tensor ``mul_`` then ``add(out=)``
 (stable-baselines3's way), per-tensor ``t.data.copy_(tau * q.data + (1 - tau) * t.data)`` (CleanRL's
 way), a bare ``_foreach_lerp_``. Plus a plain copy of the same bytes as the bandwidth limit. Effective
 bandwidth counts 8 bytes per element for a copy and 12 for a soft update.
+
+The mixed-dtype row explains a number: on CUDA a foreach call takes its fused path only when every tensor in
+its lists has one dtype; float weights and BatchNorm's int64 ``num_batches_tracked`` in one list send the
+whole call down the fallback, one ``copy_`` (and one launch) per tensor: 8.4x slower than ``hard_update`` on
+the conv net on an H200. On a CPU every foreach call is that loop, so the rows agree there.
+
+Rows marked "candidate" are other ways to do ``hard_update``'s and ``soft_update``'s work on large networks,
+measured to choose between them on a GPU: large tensors (>= 2M elements) one kernel each, which runs at a
+plain copy's speed but costs one launch per tensor, the rest in one foreach call; and (hard only) one
+``torch.cat(..., out=)`` into a flat buffer, what a target whose tensors were views of one buffer would cost.
 
 Models: CleanRL's own CartPole Q-network (4-120-84-2, 11K elements: per-call overhead dominates), the
 ``dqn`` recipe's wider one (4-256-256-2, 68K elements: the work is already a few hundred KB, so cache
@@ -34,6 +45,7 @@ from scripts.bench_ema import conv_net, large_model  # noqa: E402
 from scripts.bench_report import bandwidth_table, command_line, measured_on, median_ms, parse_args, write_section  # noqa: E402
 
 TAU = 0.005
+LARGE = 1 << 21  # elements: a "large" tensor in the candidate rows
 
 
 def cleanrl_q_network() -> nn.Module:
@@ -61,9 +73,44 @@ def contenders(online: nn.Module) -> tuple[dict[str, Callable[[], object]], dict
         for t, q in pairs:
             t.data.copy_(q.data)
 
-    def bare_copy() -> None:
+    def bare_copy() -> None:  # the same work as hard_update: one call per dtype
+        with torch.no_grad():
+            torch._foreach_copy_(t_float, q_float)
+            if t_int:
+                torch._foreach_copy_(t_int, q_int)
+
+    def mixed_copy() -> None:
         with torch.no_grad():
             torch._foreach_copy_(t_all, q_all)
+
+    large = [(t, q) for t, q in zip(t_float, q_float, strict=True) if q.numel() >= LARGE]
+    t_rest = [t for t, q in zip(t_float, q_float, strict=True) if q.numel() < LARGE]
+    q_rest = [q for q in q_float if q.numel() < LARGE]
+
+    def split_copy() -> None:
+        with torch.no_grad():
+            for t, q in large:
+                t.copy_(q)
+            torch._foreach_copy_(t_rest, q_rest)
+            if t_int:
+                torch._foreach_copy_(t_int, q_int)
+
+    def split_lerp() -> None:
+        with torch.no_grad():
+            for t, q in large:
+                t.lerp_(q, TAU)
+            torch._foreach_lerp_(t_rest, q_rest, TAU)
+            if t_int:
+                torch._foreach_copy_(t_int, q_int)
+
+    flat_target_float = torch.empty(sum(q.numel() for q in q_float), device=q_float[0].device)
+    q_float_flat = [q.reshape(-1) for q in q_float]  # views: the weights are contiguous
+
+    def cat_copy() -> None:
+        with torch.no_grad():
+            torch.cat(q_float_flat, out=flat_target_float)
+            if t_int:
+                torch._foreach_copy_(t_int, q_int)
 
     def sb3_polyak() -> None:
         with torch.no_grad():
@@ -85,7 +132,10 @@ def contenders(online: nn.Module) -> tuple[dict[str, Callable[[], object]], dict
         "components.hard_update": lambda: hard_update(target, online),
         "load_state_dict(state_dict())": lambda: target.load_state_dict(online.state_dict()),
         "per-tensor .data.copy_ loop": per_tensor_data_copy,
-        "bare _foreach_copy_, prebuilt lists": bare_copy,
+        "bare _foreach_copy_ per dtype, prebuilt lists": bare_copy,
+        "one _foreach_copy_ over mixed dtypes": mixed_copy,
+        "candidate: copy_ per large tensor, foreach for the rest": split_copy,
+        "candidate: torch.cat into a flat target": cat_copy,
         "plain copy of the same bytes": lambda: flat_target.copy_(flat_source),
     }
     soft = {
@@ -93,6 +143,7 @@ def contenders(online: nn.Module) -> tuple[dict[str, Callable[[], object]], dict
         "mul_ + add(out=) per tensor (SB3)": sb3_polyak,
         "copy_(tau*q + (1-tau)*t) per tensor (CleanRL)": cleanrl,
         "bare _foreach_lerp_, prebuilt lists": bare_lerp,
+        "candidate: lerp_ per large tensor, foreach for the rest": split_lerp,
     }
     return hard, soft
 

@@ -30,6 +30,7 @@ from components import (
     make_target,
     soft_update,
 )
+from components._foreach_writes import foreach_copy_, foreach_lerp_
 from tests.conftest import CUDA
 
 STALE = "modified by an inplace operation"
@@ -250,3 +251,11 @@ def test_control_on_cuda_the_fused_foreach_lerp_leaves_versions_alone() -> None:
         pytest.skip(f"torch {torch.__version__}'s fused _foreach_lerp_ raises the versions itself")
     y.backward()  # no error: autograd never learnt that targets[0] changed
     assert torch.equal(x.grad, torch.full((16,), 0.5, device="cuda"))
+
+
+def test_inference_tensors_have_no_version_to_raise_and_are_written_all_the_same() -> None:
+    with torch.inference_mode():
+        dst, src = [torch.zeros(3), torch.zeros(2)], [torch.ones(3), torch.ones(2)]
+        foreach_copy_(dst, src)
+        foreach_lerp_(dst, [torch.zeros(3), torch.zeros(2)], 0.5)
+    assert torch.equal(dst[0], torch.full((3,), 0.5)) and torch.equal(dst[1], torch.full((2,), 0.5))
