@@ -78,6 +78,26 @@ def bandwidth_table(
     return "\n".join(lines)
 
 
+def read_tables(markdown: str) -> dict[str, dict[str, dict[str, str]]]:
+    """The tables ``bandwidth_table`` wrote into ``markdown``: {caption: {contender: {column: cell}}}, where the
+    caption is the bold text before the table (``**large conv net, hard update**: ...`` -> ``large conv net,
+    hard update``)."""
+    tables: dict[str, dict[str, dict[str, str]]] = {}
+    caption, header = None, None
+    for line in markdown.splitlines():
+        if line.startswith("**") and "**" in line[2:]:
+            caption, header = line[2 : line.index("**", 2)], None
+        elif line.startswith("|") and caption is not None:
+            cells = [cell.strip() for cell in line.strip("|").split("|")]
+            if header is None:
+                header = cells
+            elif not set(line) <= set("|-: "):
+                tables.setdefault(caption, {})[cells[0]] = dict(zip(header, cells, strict=True))
+        elif not line.strip() and header is not None:
+            caption, header = None, None
+    return tables
+
+
 def measured_on(device: torch.device, command: str) -> str:
     where = device.type + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
     return (

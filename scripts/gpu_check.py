@@ -1,6 +1,8 @@
 """One run on a CUDA machine that proves the copy behaviour there, and writes docs/gpu-results.md.
 
-    bash scripts/gpu_check.sh                 # on the GPU machine (installs the wheels, then runs this)
+    bash scripts/gpu_check.sh                  # on the GPU machine (installs the wheels, then runs this)
+    bash scripts/gpu_check.sh --budget 4       # every benchmark with 4 s of timing per configuration
+    bash scripts/gpu_check.sh --suite          # only the default suite, on the GPU: docs/gpu-suite.md
     python scripts/gpu_check.py --dry-run --output /tmp/gpu-results.md   # rehearse the flow on a CPU
 
 Steps, each recorded in the report:
@@ -9,11 +11,16 @@ Steps, each recorded in the report:
      benchmarks are compared against);
   3. ``pytest -m gpu``: every CUDA-only test and every device-parametrised test's ``cuda`` case;
   4. every benchmark in GPU mode (EMA, target updates, GAN step, batch loading), their tables copied into the
-     report;
-  5. a short training run of each recipe with ``trainer=gpu``, its summary.json figures.
+     report, with ``--budget`` passed on when given;
+  5. the ``pinned`` recipe at GPU scale (``+pinned=gpu_scale``) with and without the prefetcher: samples/s,
+     their ratio and the share of time spent waiting for data, from each run's summary.json;
+  6. a short training run of each recipe with ``trainer=gpu``, its summary.json figures.
 
-Exit status 1 when a test or a recipe run fails. ``--dry-run`` runs the same steps on the CPU with small
-sizes (``-m gpu`` then skips everything): it checks the script, not the GPU.
+The claims the README makes for a GPU are checked against what the run measured (``CLAIMS``); the report
+says which hold. Exit status 1 when a test, a benchmark, a recipe run or a claim fails. ``--suite`` runs the
+default suite (``pytest -m "not slow"``) instead, as a user with a GPU would: a separate call, because it
+takes minutes. ``--dry-run`` runs the steps on the CPU with small sizes (``-m gpu`` then skips everything, and
+the claims are reported but not enforced: CPU figures say nothing about a GPU): it checks the script.
 """
 
 from __future__ import annotations
@@ -32,6 +39,14 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from scripts.bench_report import read_tables  # noqa: E402
+
+# The GPU claims of the README ("What a GPU run must show"), checked here.
+MIN_PREFETCH_GAIN = 1.3  # pinned at GPU scale: samples/s with the prefetcher over data.prefetch=false
+MAX_DATA_WAIT = 0.10  # pinned at GPU scale, with the prefetcher: share of the time spent waiting for data
+MIN_COPY_SHARE = 70  # percent of a plain copy's bandwidth: hard_update, soft_update, EMA.update, large models
 
 RECIPE_RUNS = [
     ("metrics", ["trainer.max_epochs=3"]),
@@ -39,8 +54,12 @@ RECIPE_RUNS = [
     ("gan", ["trainer.max_epochs=20", "trainer.check_val_every_n_epoch=10"]),
     ("dqn", ["model.total_env_steps=5120", "model.eval_every=2560", "model.learning_starts=1024"]),
     ("pinned", ["trainer.max_epochs=5"]),
-    ("pinned", ["trainer.max_epochs=5", "data.prefetch=false"]),
 ]
+GPU_SCALE = ["+pinned=gpu_scale"]
+GPU_SCALE_REHEARSAL = [  # the same configuration at a size a CPU runs in seconds
+    "data.size=32", "data.batch_size=64", "data.store_size=256", "data.batches_per_epoch=4", "data.max_shift=4",
+    "trainer.max_epochs=2", "trainer.log_every_n_steps=2",
+]  # fmt: skip
 
 
 def copy_bandwidth(device: torch.device, dry_run: bool) -> list[str]:
@@ -82,25 +101,105 @@ def run(command: list[str], log: list[str], timeout: int = 600) -> subprocess.Co
     return result
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dry-run", action="store_true", help="rehearse on the CPU with small sizes")
-    parser.add_argument("--output", type=Path, default=ROOT / "docs" / "gpu-results.md")
-    args = parser.parse_args(argv)
-    if not args.dry_run and not torch.cuda.is_available():
-        parser.error("no CUDA GPU is available: run on a GPU machine, or pass --dry-run to rehearse on the CPU")
-    device = torch.device("cpu" if args.dry_run else "cuda")
-    log: list[str] = []
-    failures: list[str] = []
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+def train_run(
+    recipe: str, overrides: list[str], out: Path, dry_run: bool, log: list[str]
+) -> tuple[int, dict[str, float]]:
+    """``train.py +recipe=RECIPE`` on the GPU (the CPU in a dry run): exit status and summary.json's metrics."""
+    trainer = "trainer=cpu" if dry_run else "trainer=gpu"
+    result = run(
+        [sys.executable, "train.py", f"+recipe={recipe}", trainer, "trainer.enable_progress_bar=false",
+         *overrides, f"hydra.run.dir={out}"], log,
+    )  # fmt: skip
+    summary = out / "summary.json"
+    metrics = json.loads(summary.read_text())["metrics"] if summary.exists() else {}
+    return result.returncode, {k: v for k, v in metrics.items() if v is not None}
+
+
+def copy_share_claims(bench_markdown: str) -> list[tuple[str, bool]]:
+    """Each of our updates on each large model: its share of a plain copy's bandwidth against ``MIN_COPY_SHARE``.
+    No large-model row at all is a failed claim too: a check that finds nothing to check proves nothing."""
+    claims = []
+    for caption, rows in read_tables(bench_markdown).items():
+        if not caption.startswith("large"):
+            continue
+        for contender, cells in rows.items():
+            if contender.startswith("components."):
+                share = float(cells["% of copy bandwidth"].rstrip("%"))
+                claims.append((f"{contender} on {caption}: {share:.0f}% of copy bandwidth "
+                               f"(claim: >= {MIN_COPY_SHARE}%)", share >= MIN_COPY_SHARE))  # fmt: skip
+    return claims or [("large-model rows of the EMA and target benchmarks: none found", False)]
+
+
+def prefetch_claims(with_prefetcher: dict[str, float], without: dict[str, float]) -> list[tuple[str, bool]]:
+    """The pinned recipe at GPU scale: the prefetcher's gain in samples/s and its share of time waiting."""
+    rate, rate_off = with_prefetcher.get("perf/samples_per_s"), without.get("perf/samples_per_s")
+    wait = with_prefetcher.get("perf/data_wait_fraction")
+    if rate is None or rate_off is None or wait is None:
+        return [("pinned at GPU scale: a run did not report perf/samples_per_s and perf/data_wait_fraction", False)]
+    gain = rate / rate_off
+    return [
+        (f"pinned at GPU scale: the prefetcher runs {gain:.2f}x the samples/s of data.prefetch=false "
+         f"(claim: >= {MIN_PREFETCH_GAIN}x)", gain >= MIN_PREFETCH_GAIN),
+        (f"pinned at GPU scale, with the prefetcher: {wait:.1%} of the time waiting for data "
+         f"(claim: <= {MAX_DATA_WAIT:.0%})", wait <= MAX_DATA_WAIT),
+    ]  # fmt: skip
+
+
+def header(device: torch.device) -> list[str]:
     import lightning
 
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (dry run: no GPU measured)"
-    sections = [
-        "# GPU results\n",
+    return [
         f"Written by `scripts/gpu_check.py` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC.\n",
         f"| | |\n| --- | --- |\n| device | {name} |\n| torch | {torch.__version__} |\n"
         f"| lightning | {lightning.__version__} |\n| commit | `{commit or 'unknown'}` |\n",
+    ]
+
+
+def suite(args: argparse.Namespace, device: torch.device) -> int:
+    """The default suite as a user with a GPU runs it (the recipes' ``accelerator: auto`` picks the GPU)."""
+    log: list[str] = []
+    result = run([sys.executable, "-m", "pytest", "-m", "not slow", "-q", "-rfEs", "-p", "no:cacheprovider",
+                  "--durations=15"], log, 3600)  # fmt: skip
+    lines = result.stdout.strip().splitlines()
+    summary = next((line for line in reversed(lines) if re.search(r"\d+ (passed|failed)", line)), "no summary")
+    verdict = "all tests passed" if result.returncode == 0 else f"FAILED: {summary}"
+    report = [
+        "# The default suite on a GPU\n",
+        f"**{verdict}**\n",
+        *header(device),
+        f'## `pytest -m "not slow"`\n\n{summary}\n\n```\n{result.stdout.strip()[-12000:]}\n```',
+        "## Commands\n\n" + "\n".join(f"- `{line}`" for line in log),
+    ]
+    _write(args.output, report)
+    print(f"{verdict}\nwrote {args.output}")
+    return 0 if result.returncode == 0 else 1
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="rehearse on the CPU with small sizes")
+    parser.add_argument("--suite", action="store_true", help='run the default suite (-m "not slow") instead')
+    parser.add_argument("--budget", type=float, default=None, help="seconds of timing per benchmark configuration")
+    parser.add_argument("--output", type=Path, default=None, help="default: docs/gpu-results.md (--suite: gpu-suite)")
+    args = parser.parse_args(argv)
+    if not args.dry_run and not torch.cuda.is_available():
+        parser.error("no CUDA GPU is available: run on a GPU machine, or pass --dry-run to rehearse on the CPU")
+    if args.budget is not None and not args.budget > 0:
+        parser.error(f"--budget must be > 0 seconds, got {args.budget:g}")
+    device = torch.device("cpu" if args.dry_run else "cuda")
+    if args.output is None:
+        args.output = ROOT / "docs" / ("gpu-suite.md" if args.suite else "gpu-results.md")
+    if args.suite:
+        return suite(args, device)
+
+    log: list[str] = []
+    failures: list[str] = []
+    claims: list[tuple[str, bool]] = []
+    sections = [
+        "# GPU results\n",
+        *header(device),
         "## Copy bandwidth (the limit)\n\n| copy | GB/s |\n| --- | ---: |\n"
         + "\n".join(copy_bandwidth(device, args.dry_run)),
     ]
@@ -115,37 +214,69 @@ def main(argv: list[str]) -> int:
 
         bench_file = Path(tmp) / "bench.md"
         flags = ["--quick", "--budget", "0.5"] if args.dry_run else ["--device", "cuda"]
+        if args.budget is not None and not args.dry_run:
+            flags += ["--budget", f"{args.budget:g}"]
         for script in ("bench_ema.py", "bench_target.py", "bench_gan.py", "bench_loading.py"):
             result = run([sys.executable, f"scripts/{script}", *flags, "--output", str(bench_file)], log)
             if result.returncode != 0:
                 failures.append(f"{script}: exit {result.returncode}: {result.stderr.strip().splitlines()[-1:]}")
         if bench_file.exists():
             sections.append("## Benchmarks\n\n" + bench_file.read_text().split("\n", 1)[1].strip())
+            claims += copy_share_claims(bench_file.read_text())
+
+        scale = GPU_SCALE + (GPU_SCALE_REHEARSAL if args.dry_run else [])
+        pair = {}
+        for prefetch in ("true", "false"):
+            overrides = [*scale, f"data.prefetch={prefetch}"]
+            code, metrics = train_run("pinned", overrides, Path(tmp) / f"scale-{prefetch}", args.dry_run, log)
+            if code != 0:
+                failures.append(f"pinned at GPU scale, data.prefetch={prefetch}: exit {code}")
+            pair[prefetch] = metrics
+        claims += prefetch_claims(pair["true"], pair["false"])
+        sections.append(_scale_table(pair, scale))
 
         rows = ["| recipe | overrides | exit | figures from summary.json |", "| --- | --- | ---: | --- |"]
         for number, (recipe, overrides) in enumerate(RECIPE_RUNS):
-            out = Path(tmp) / f"{number}-{recipe}"
-            trainer = "trainer=cpu" if args.dry_run else "trainer=gpu"
-            result = run(
-                [sys.executable, "train.py", f"+recipe={recipe}", trainer, "trainer.enable_progress_bar=false",
-                 *overrides, f"hydra.run.dir={out}"], log,
-            )  # fmt: skip
-            figures = ""
-            if (out / "summary.json").exists():
-                metrics = json.loads((out / "summary.json").read_text())["metrics"]
-                figures = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if v is not None and _shown(k))
-            if result.returncode != 0:
-                failures.append(f"recipe {recipe}: exit {result.returncode}")
-            rows.append(f"| {recipe} | `{' '.join(overrides)}` | {result.returncode} | {figures} |")
+            code, metrics = train_run(recipe, overrides, Path(tmp) / f"{number}-{recipe}", args.dry_run, log)
+            if code != 0:
+                failures.append(f"recipe {recipe}: exit {code}")
+            figures = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if _shown(k))
+            rows.append(f"| {recipe} | `{' '.join(overrides)}` | {code} | {figures} |")
         sections.append("## Recipes with `trainer=gpu`, short runs\n\n" + "\n".join(rows))
 
+    enforced = not args.dry_run
+    sections.insert(1, _claims_section(claims, enforced))
+    if enforced:
+        failures += [f"claim not met: {text}" for text, held in claims if not held]
     sections.append("## Commands\n\n" + "\n".join(f"- `{line}`" for line in log))
     verdict = "FAILED: " + "; ".join(failures) if failures else "all steps passed"
     sections.insert(1, f"**{verdict}**\n")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text("\n\n".join(section.strip() for section in sections) + "\n")
+    _write(args.output, sections)
     print(f"{verdict}\nwrote {args.output}")
     return 1 if failures else 0
+
+
+def _claims_section(claims: list[tuple[str, bool]], enforced: bool) -> str:
+    note = "" if enforced else " (dry run: CPU figures, reported, not enforced)"
+    lines = [f"- {'held' if held else 'NOT MET'}: {text}" for text, held in claims]
+    return f"## The README's GPU claims{note}\n\n" + "\n".join(lines)
+
+
+def _scale_table(pair: dict[str, dict[str, float]], overrides: list[str]) -> str:
+    rows = ["| data.prefetch | samples/s | waiting for data | val/acc |", "| --- | ---: | ---: | ---: |"]
+    for prefetch, metrics in pair.items():
+        rate, wait = (
+            metrics.get("perf/samples_per_s", float("nan")),
+            metrics.get("perf/data_wait_fraction", float("nan")),
+        )
+        rows.append(f"| {prefetch} | {rate:,.0f} | {wait:.1%} | {metrics.get('val/acc', float('nan')):.4f} |")
+    command = f"python train.py +recipe=pinned {' '.join(overrides)} trainer=gpu data.prefetch=true|false"
+    return f"## `pinned` at GPU scale\n\n`{command}`; last epoch's figures from summary.json.\n\n" + "\n".join(rows)
+
+
+def _write(path: Path, sections: list[str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n\n".join(section.strip() for section in sections) + "\n")
 
 
 def _shown(key: str) -> bool:

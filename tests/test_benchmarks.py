@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from scripts.bench_report import bandwidth_table, read_tables
+from scripts.gpu_check import MAX_DATA_WAIT, MIN_COPY_SHARE, MIN_PREFETCH_GAIN, copy_share_claims, prefetch_claims
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -58,6 +61,8 @@ def test_gpu_check_dry_run_writes_a_report(tmp_path: Path) -> None:
     assert "**all steps passed**" in text and "## Benchmarks" in text
     for recipe in ("metrics", "ema", "gan", "dqn", "pinned"):
         assert re.search(rf"^\| {recipe} \| [^|]* \| 0 \|", text, re.MULTILINE), recipe
+    assert "## `pinned` at GPU scale" in text and re.search(r"^\| false \| [\d,]+ \|", text, re.MULTILINE)
+    assert "## The README's GPU claims (dry run" in text  # reported, not enforced
 
 
 def test_gpu_check_refuses_to_run_without_a_gpu() -> None:
@@ -67,3 +72,41 @@ def test_gpu_check_refuses_to_run_without_a_gpu() -> None:
         pytest.skip("a GPU is present")
     result = subprocess.run([sys.executable, "scripts/gpu_check.py"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 2 and "--dry-run" in result.stderr
+
+
+def test_bench_tables_read_back_as_written() -> None:
+    times = {"components.hard_update": 0.1, "bare": 0.09, "plain copy": 0.05}
+    text = bandwidth_table("**large conv net, hard update**: 24M", 1_000_000, times, dict.fromkeys(times, 8),
+                           "components.hard_update", "plain copy")  # fmt: skip
+    table = read_tables(f"# Section\n\n{text}\n\n**other**: x\n\n| a | b |\n| --- | --- |\n| 1 | 2 |\n")
+    assert set(table) == {"large conv net, hard update", "other"}
+    row = table["large conv net, hard update"]["components.hard_update"]
+    assert row["% of copy bandwidth"] == "50%" and row["time / ours"] == "1.00x"
+    assert table["other"] == {"1": {"a": "1", "b": "2"}}
+
+
+def test_gpu_check_holds_our_large_model_updates_to_the_claimed_share_of_copy_bandwidth() -> None:
+    times = {"components.soft_update": 0.1, "plain copy": 0.05}  # 12 vs 8 bytes per element: 75%
+    good = bandwidth_table("**large model (conv net)**: x", 1000, times, {"components.soft_update": 12,
+                           "plain copy": 8}, "components.soft_update", "plain copy")  # fmt: skip
+    slow = good.replace("| 75%", "| 58%")
+    small = good.replace("large model", "small model")
+    assert copy_share_claims(good) == [("components.soft_update on large model (conv net): 75% of copy bandwidth "
+                                        f"(claim: >= {MIN_COPY_SHARE}%)", True)]  # fmt: skip
+    assert not copy_share_claims(slow)[0][1]
+    assert copy_share_claims(small) == [("large-model rows of the EMA and target benchmarks: none found", False)]
+
+
+def test_gpu_check_holds_the_prefetcher_to_its_claimed_gain_and_waiting_share() -> None:
+    on = {"perf/samples_per_s": 13000.0, "perf/data_wait_fraction": 0.05}
+    off = {"perf/samples_per_s": 10000.0, "perf/data_wait_fraction": 0.01}
+    assert [held for _, held in prefetch_claims(on, off)] == [True, True]
+    assert [held for _, held in prefetch_claims({**on, "perf/samples_per_s": 12000.0}, off)] == [False, True]
+    assert [held for _, held in prefetch_claims({**on, "perf/data_wait_fraction": 0.2}, off)] == [True, False]
+    assert [held for _, held in prefetch_claims({}, off)] == [False]
+
+
+def test_the_readme_states_the_claims_the_gpu_check_enforces() -> None:
+    readme = " ".join((ROOT / "README.md").read_text().split())  # lines wrap anywhere
+    assert f"at least {MIN_PREFETCH_GAIN}x" in readme and f"at most {MAX_DATA_WAIT:.0%}" in readme
+    assert f"at least {MIN_COPY_SHARE}% of a plain copy's bandwidth" in readme
