@@ -29,6 +29,7 @@ def run_ddp(recipe: str, cwd: Path, *extra: str) -> tuple[subprocess.CompletedPr
     short = [override for override in SHORT[recipe] if override.split("=")[0] not in replaced]
     command = [
         sys.executable, str(ROOT / "train.py"), f"+recipe={recipe}", "trainer=ddp", *short, *extra,
+        "trainer.accelerator=cpu",  # 2 gloo processes: CPU-only by nature (one GPU could not hold two ranks)
         "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
         "+callbacks.rank_state._target_=tests.scripts.rank_state.SaveRankState",
         f"+callbacks.rank_state.dirpath={cwd / 'ranks'}",

@@ -25,7 +25,7 @@ import train
 from components import ResumeState
 from recipes.digits import DigitsDataModule
 from recipes.dqn import CartPoleDQN
-from tests.conftest import QUIET, ROOT, compose_config, run_train
+from tests.conftest import ON_CPU, QUIET, ROOT, compose_config, run_train
 
 RUNS = {
     "ema": ["trainer.max_epochs=4"],
@@ -51,12 +51,12 @@ WITHHELD = {  # the control: resuming without this leaves the run elsewhere
 
 
 def train_command(recipe: str, run_dir: Path, *extra: str) -> list[str]:
-    return [f"+recipe={recipe}", "seed=0", *QUIET, *RUNS[recipe], f"hydra.run.dir={run_dir}", *extra]
+    return [f"+recipe={recipe}", "seed=0", ON_CPU, *QUIET, *RUNS[recipe], f"hydra.run.dir={run_dir}", *extra]
 
 
 def resume_in_process(recipe: str, checkpoint: Path, output_dir: Path) -> Path:
     """What ``train.py ... ckpt_path=...`` does, in this process (so that a test can patch it)."""
-    cfg = compose_config(f"+recipe={recipe}", "seed=0", *QUIET, *RUNS[recipe], output_dir=output_dir)
+    cfg = compose_config(f"+recipe={recipe}", "seed=0", ON_CPU, *QUIET, *RUNS[recipe], output_dir=output_dir)
     trainer, model, datamodule = train.build(cfg)
     trainer.fit(model, datamodule=datamodule, ckpt_path=checkpoint, weights_only=True)
     return output_dir / "checkpoints" / "last.ckpt"

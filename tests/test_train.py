@@ -19,7 +19,7 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 import train
-from tests.conftest import child_env, compose_config, run_train, warning_lines
+from tests.conftest import ON_CPU, child_env, compose_config, run_train, warning_lines
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["trainer.max_epochs=2", "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false"]
@@ -75,7 +75,7 @@ def test_run_writes_metrics_checkpoints_and_summary(tmp_path: Path) -> None:
 
 def test_seed_makes_cpu_runs_repeatable(tmp_path: Path) -> None:
     def metrics(seed: int, name: str) -> dict[str, float]:
-        result = run_train("+recipe=metrics", f"seed={seed}", *QUICK, f"hydra.run.dir={tmp_path / name}")
+        result = run_train("+recipe=metrics", f"seed={seed}", ON_CPU, *QUICK, f"hydra.run.dir={tmp_path / name}")
         assert result.returncode == 0, result.stderr[-3000:]
         return json.loads((tmp_path / name / "summary.json").read_text())["metrics"]
 
