@@ -5,7 +5,7 @@ Copy contract:
 * The shadow is plain tensors of its own (``ema.shadow[name]``, keyed by the model's ``state_dict()``
   names), made once with ``detach().clone()`` at construction: ``requires_grad=False``, never an
   ``nn.Parameter``, never in ``model.parameters()``, an optimizer, DDP's reducer or autograd. The module
-  itself is never deep-copied.
+  itself is never deep-copied (``export()`` below makes a copy on request).
 * ``update(model)`` writes into the shadow in place under ``torch.no_grad()`` (whatever the caller's grad
   mode): one ``torch._foreach_lerp_`` per (device, dtype) group of floating tensors, one
   ``torch._foreach_copy_`` for integer buffers (``num_batches_tracked``). It allocates nothing, reads
@@ -15,9 +15,18 @@ Copy contract:
 * A model in float16/bfloat16 gets a float32 shadow (``shadow_dtype=None``): at decay 0.9999 a bf16
   shadow rounds every small update away. A group whose shadow dtype or device differs from the model's
   keeps a staging copy of the live tensors in the shadow's dtype and device, allocated once.
-* ``average_weights(model)`` swaps shadow and live values in place and swaps them back on exit, bit for
-  bit, through one scratch buffer the size of the largest tensor (groups whose dtype or device differ
-  back up their live tensors instead, in the live dtype on the shadow's device).
+* ``average_weights(model)`` swaps shadow and live values in place and swaps them back on exit (an exception,
+  ``KeyboardInterrupt`` included, too), bit for bit, through one scratch buffer the size of the largest tensor
+  (groups whose dtype or device differ back up their live tensors instead, in the live dtype on the shadow's
+  device). A nested ``average_weights`` of the same EMA changes nothing: the model already holds the average.
+* The EMA knows when it is swapped (``swapped``), and no method mistakes one set of values for the other
+  meanwhile. ``shadow`` maps each name to the tensor that holds the average *now*: the model's own, detached
+  (no copy), or, for a group backed up instead, still the shadow's; ``state_dict``, ``load_state_dict``,
+  ``copy_to`` (another model) and ``export`` read and write the average there. ``update`` and
+  ``copy_to(model)`` raise: their result would be swapped back out when the block ends.
+* ``export()`` returns a new module holding the average: a ``copy.deepcopy`` of the model (parameters and
+  buffers cloned, gradients not), the average copied into it. The model and the shadow are only read, so no
+  swap can escape into what is exported or saved from it.
 
 Tensors are looked up once: parameters by object (stable across ``model.to(...)``), buffers by
 (module, name), because ``model.to(...)`` replaces buffer objects. Replacing a Parameter object after
@@ -28,6 +37,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +62,16 @@ class _Group:
     shadows: list[torch.Tensor] = field(default_factory=list)
     live: TensorRefs = field(default_factory=TensorRefs)
     staging: list[torch.Tensor] = field(default_factory=list)  # when shadow and live differ in dtype/device
+
+
+@dataclass
+class _Swap:
+    """An ``average_weights`` block in progress: what swapping back needs, and where the average is meanwhile."""
+
+    pairs: list[tuple[_Group, list[torch.Tensor]]]
+    scratch: dict[torch.device, torch.Tensor]
+    backups: dict[int, list[torch.Tensor]]  # group index -> its live values, for groups staged in another dtype/device
+    average: dict[str, torch.Tensor]  # name -> the tensor holding the average during the block
 
 
 class EMA:
@@ -106,10 +126,12 @@ class EMA:
         self.device = torch.device(device) if device is not None else None
         self.step = 0  # calls of update()
         self.num_updates = 0  # averaging updates applied (the warm-up's k)
-        self.shadow: dict[str, torch.Tensor] = {}
+        self._shadow: dict[str, torch.Tensor] = {}
+        self._slots: dict[str, tuple[int, int]] = {}  # name -> (group index, position in the group)
         self._groups: list[_Group] = []
-        self._model: nn.Module | None = None
-        self._build(_unwrap(model))
+        self._model = _unwrap(model)
+        self._swap: _Swap | None = None  # set while average_weights holds the average in the model
+        self._build(self._model)
 
     # -- construction -------------------------------------------------------------------------------
 
@@ -119,22 +141,25 @@ class EMA:
         with torch.no_grad():
             for name, live, owner in state_entries(model, self.include_buffers):
                 if id(live) in first_name:  # tied weights share one shadow
-                    self.shadow[name] = self.shadow[first_name[id(live)]]
+                    self._shadow[name] = self._shadow[first_name[id(live)]]
+                    self._slots[name] = self._slots[first_name[id(live)]]
                     continue
                 first_name[id(live)] = name
                 average = live.is_floating_point()
                 dtype = self._shadow_dtype_for(live.dtype) if average else live.dtype
                 device = self.device or live.device
                 shadow = live.detach().to(device=device, dtype=dtype, copy=True)
-                self.shadow[name] = shadow
+                self._shadow[name] = shadow
                 key = (shadow.device, shadow.dtype, live.device, live.dtype, average)
-                group = groups.setdefault(key, _Group(average, live.device, live.dtype))
+                if key not in groups:
+                    groups[key] = _Group(average, live.device, live.dtype)
+                group = groups[key]
+                self._slots[name] = (list(groups).index(key), len(group.shadows))
                 group.shadows.append(shadow)
                 group.live.append(live, owner)
                 if shadow.dtype != live.dtype or shadow.device != live.device:
                     group.staging.append(torch.empty_like(shadow))
         self._groups = list(groups.values())
-        self._model = model
 
     def _shadow_dtype_for(self, dtype: torch.dtype) -> torch.dtype:
         if self.shadow_dtype is not None:
@@ -176,8 +201,14 @@ class EMA:
 
         In place, under ``no_grad``, no allocation, no host synchronisation (shadow beside the model).
         ``model`` defaults to the one given at construction (passing it wrapped in DDP or
-        ``torch.compile`` is fine).
+        ``torch.compile`` is fine). Inside ``average_weights`` it raises.
         """
+        if self._swap is not None:
+            raise RuntimeError(
+                "EMA.update inside EMA.average_weights: the model holds the average and the shadow the live weights "
+                "there, so this would average the wrong way and the live weights would not come back; update after "
+                "the block ends"
+            )
         self._check_model(model)
         step, self.step = self.step, self.step + 1
         copy = step < self.start_step
@@ -203,13 +234,30 @@ class EMA:
 
     # -- using the average ----------------------------------------------------------------------------
 
+    @property
+    def shadow(self) -> dict[str, torch.Tensor]:
+        """The average by ``state_dict`` name: the shadow tensors, or inside ``average_weights`` the tensors
+        that hold it there (the model's own, detached; the shadow's for a group backed up instead)."""
+        return self._shadow if self._swap is None else self._swap.average
+
+    @property
+    def swapped(self) -> bool:
+        """Whether an ``average_weights`` block holds the average in the model now."""
+        return self._swap is not None
+
     def copy_to(self, model: nn.Module | None = None) -> None:
         """Overwrite a model's weights (and averaged buffers) with the shadow, in place.
 
         ``model`` defaults to the averaged model; another model with the same state_dict names and shapes
         (a fresh instance for export, say) is written through its ``state_dict(keep_vars=True)`` tensors.
+        Inside ``average_weights``, copying into the averaged model raises; into another model works.
         """
         if model is None or _unwrap(model) is self._model:
+            if self._swap is not None:
+                raise RuntimeError(
+                    "EMA.copy_to(model) inside EMA.average_weights: the model holds the average already and gets its "
+                    "live weights back when the block ends; call copy_to after the block to keep the average"
+                )
             with torch.no_grad():
                 for group, lives in self._live_groups(model):
                     foreach_copy_(lives, group.shadows)
@@ -223,29 +271,55 @@ class EMA:
             for name, shadow in self.shadow.items():
                 targets[name].copy_(shadow)
 
+    def export(self) -> nn.Module:
+        """A new module holding the average, for inference or ``torch.save(exported.state_dict(), ...)``: a deep
+        copy of the (unwrapped) model, the average copied into it. The model and the shadow are only read."""
+        exported = deepcopy(self._model)
+        self.copy_to(exported)
+        return exported
+
     @contextmanager
     def average_weights(self, model: nn.Module | None = None) -> Iterator[nn.Module]:
-        """Run the block with the shadow's values in the model; the live values come back bit for bit."""
+        """Run the block with the shadow's values in the model; the live values come back bit for bit.
+
+        Nested in another ``average_weights`` of this EMA, the block changes nothing: the model holds the average.
+        """
         target = self._model if model is None else model
+        if self._swap is not None:
+            self._check_model(model)
+            yield target  # type: ignore[misc]
+            return
+        swap = self._swap_in(model)
+        self._swap = swap
+        try:
+            yield target  # type: ignore[misc]
+        finally:
+            self._swap_out(swap)
+            self._swap = None
+
+    def _swap_in(self, model: nn.Module | None) -> _Swap:
         pairs = self._live_groups(model)
-        scratch = self._scratch(pairs)
-        backups: dict[int, list[torch.Tensor]] = {}
         with torch.no_grad():
+            scratch = self._scratch(pairs)
+            backups: dict[int, list[torch.Tensor]] = {}
             for i, (group, lives) in enumerate(pairs):
                 if group.staging:
                     backups[i] = [live.to(s.device, copy=True) for live, s in zip(lives, group.shadows, strict=True)]
                     foreach_copy_(lives, group.shadows)
                 else:
                     _swap(lives, group.shadows, scratch)
-        try:
-            yield target  # type: ignore[misc]
-        finally:
-            with torch.no_grad():
-                for i, (group, lives) in enumerate(pairs):
-                    if i in backups:
-                        foreach_copy_(lives, backups.pop(i))
-                    else:
-                        _swap(lives, group.shadows, scratch)
+            holders = [group.shadows if group.staging else [live.detach() for live in lives] for group, lives in pairs]
+        average = {name: holders[g][i] for name, (g, i) in self._slots.items()}  # aliases, no copy
+        return _Swap(pairs, scratch, backups, average)
+
+    @staticmethod
+    def _swap_out(swap: _Swap) -> None:
+        with torch.no_grad():
+            for i, (group, lives) in enumerate(swap.pairs):
+                if i in swap.backups:
+                    foreach_copy_(lives, swap.backups.pop(i))
+                else:
+                    _swap(lives, group.shadows, swap.scratch)
 
     @staticmethod
     def _scratch(pairs: list[tuple[_Group, list[torch.Tensor]]]) -> dict[torch.device, torch.Tensor]:
@@ -260,11 +334,12 @@ class EMA:
     # -- checkpoints ----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """Counters and the shadow tensors (aliased, like ``Module.state_dict``); loads with ``weights_only=True``."""
+        """Counters and the average (``shadow``'s tensors, aliased like ``Module.state_dict``: save it before the
+        next update, or inside the ``average_weights`` block it was taken in); loads with ``weights_only=True``."""
         return {"decay": self.decay, "step": self.step, "num_updates": self.num_updates, "shadow": dict(self.shadow)}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Copy a saved shadow and counters in place; names and shapes must match exactly."""
+        """Copy a saved average and counters in place (into ``shadow``'s tensors); names and shapes must match."""
         saved = state.get("shadow")
         if not isinstance(saved, Mapping):
             raise ValueError("EMA state must hold a 'shadow' mapping of tensor names to tensors")

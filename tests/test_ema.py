@@ -204,14 +204,133 @@ def test_average_weights_swaps_in_and_restores_bit_exactly_in_bounded_memory(dev
     del backup
 
 
-def test_average_weights_restores_after_an_exception() -> None:
-    model = net()
-    ema = EMA(model)
-    perturb(model)
-    live = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(KeyError), ema.average_weights(model):
-        raise KeyError("boom")
-    assert all(torch.equal(v, live[k]) for k, v in model.state_dict().items())
+def swapped_pair(device: str = "cpu") -> tuple[nn.Module, EMA, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A model whose live weights differ from its EMA's average, and copies of both."""
+    model = net(device)
+    ema = EMA(model, decay=0.9)
+    perturb(model, 1.0)
+    ema.update(model)
+    perturb(model, 1.0)
+    return model, ema, cloned(model.state_dict()), cloned(ema.shadow)
+
+
+def cloned(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def same(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> bool:
+    """Bit for bit, every name of ``expected``."""
+    return all(torch.equal(state[k], v) for k, v in expected.items())
+
+
+@pytest.mark.parametrize("error", [KeyError, KeyboardInterrupt])
+def test_average_weights_restores_model_and_shadow_after_an_exception(error: type[BaseException]) -> None:
+    model, ema, live, average = swapped_pair()
+    with pytest.raises(error), ema.average_weights(model):
+        raise error("boom")
+    assert same(model.state_dict(), live) and same(ema.shadow, average) and not ema.swapped
+    block = ema.average_weights(model)  # the control: a swap whose exit never runs leaves the average in the model
+    block.__enter__()
+    assert same(model.state_dict(), average) and not same(model.state_dict(), live)
+    block.__exit__(None, None, None)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_inside_average_weights_update_and_copy_to_raise_and_the_live_weights_come_back(device: str) -> None:
+    model, ema, live, average = swapped_pair(device)
+    with ema.average_weights(model):
+        assert ema.swapped
+        with pytest.raises(RuntimeError, match=r"EMA.update inside EMA.average_weights: the model holds the average"):
+            ema.update(model)
+        with pytest.raises(RuntimeError, match=r"EMA.copy_to\(model\) inside EMA.average_weights"):
+            ema.copy_to()
+    assert same(model.state_dict(), live) and same(ema.shadow, average)
+    assert (ema.step, ema.num_updates) == (1, 1)
+
+    with ema.average_weights(model):  # the control: the guard switched off, as before the fix
+        ema._swap = None
+        ema.update(model)  # accepted: averages the live weights (in the shadow) towards the average (in the model)
+    assert not same(model.state_dict(), live)  # the block ended without the live weights
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_inside_average_weights_shadow_and_state_dict_hand_out_the_average(
+    device: str, tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, ema, live, average = swapped_pair(device)
+    with ema.average_weights(model):
+        assert same(ema.shadow, average) and same(model.state_dict(), average)
+        assert all(shares_storage(ema.shadow[k], v) for k, v in model.state_dict().items())  # aliases, no copy
+        state = ema.state_dict()
+        torch.save(state, tmp_path / "ema.pt")
+        with monkeypatch.context() as guard_off:  # the control: the guard switched off, as before the fix
+            guard_off.setattr(ema, "_swap", None)
+            assert same(ema.state_dict()["shadow"], live)  # the live weights, handed out as the average
+    assert same(torch.load(tmp_path / "ema.pt", weights_only=True)["shadow"], average)
+    assert same(model.state_dict(), live) and same(ema.shadow, average)
+    assert same(state["shadow"], live)  # aliases of the model's tensors: saved inside the block, or stale after
+    staged = EMA(model, shadow_dtype=torch.float64)  # groups backed up instead of swapped: the shadow keeps it
+    with staged.average_weights(model):
+        assert all(staged.shadow[k] is v for k, v in staged._shadow.items() if v.dtype == torch.float64)
+        assert sum(v.dtype == torch.float64 for v in staged._shadow.values()) == 8  # all but num_batches_tracked
+
+
+def test_load_state_dict_inside_average_weights_loads_the_average_and_the_live_weights_come_back() -> None:
+    model, ema, live, _ = swapped_pair()
+    other_model = net()
+    other = EMA(other_model, decay=0.9)
+    perturb(other_model, 1.0)
+    other.update(other_model)
+    loaded = cloned(other.shadow)
+    with ema.average_weights(model):
+        ema.load_state_dict(other.state_dict())
+        assert same(model.state_dict(), loaded)  # the block goes on with the loaded average
+    assert same(model.state_dict(), live) and same(ema.shadow, loaded)
+
+    with ema.average_weights(model):  # the control: the guard switched off, as before the fix
+        ema._swap = None
+        ema.load_state_dict(EMA(net()).state_dict())  # written where the live weights are during the swap
+    assert not same(model.state_dict(), live)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nested_average_weights_changes_nothing_and_restores_bit_exactly(device: str) -> None:
+    model, ema, live, average = swapped_pair(device)
+    with ema.average_weights(model):
+        with ema.average_weights(model) as inner:
+            assert inner is model and same(model.state_dict(), average)
+        assert ema.swapped and same(model.state_dict(), average)
+    assert same(model.state_dict(), live) and same(ema.shadow, average) and not ema.swapped
+    with pytest.raises(KeyboardInterrupt), ema.average_weights(model), ema.average_weights(model):
+        raise KeyboardInterrupt
+    assert same(model.state_dict(), live) and same(ema.shadow, average) and not ema.swapped
+
+    with ema.average_weights(model):  # the control: the guard switched off, as before the fix
+        ema._swap = None
+        with ema.average_weights(model):
+            assert same(model.state_dict(), live)  # the inner block swapped back: it runs with the live weights
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_export_is_a_new_module_holding_the_average(device: str, tmp_path) -> None:
+    model, ema, live, average = swapped_pair(device)
+    model.eval()  # the forward leaves the BatchNorm statistics as they are
+    model(torch.randn(8, 16, device=device)).square().mean().backward()
+    with MemoryProbe(device) as probe:
+        exported = ema.export()
+    assert probe.net_bytes == sum(t.numel() * t.element_size() for t in model.state_dict().values())  # no grads
+    assert same(exported.state_dict(), average) and all(p.grad is None for p in exported.parameters())
+    assert same(model.state_dict(), live) and same(ema.shadow, average)
+    ours = [*model.parameters(), *model.buffers(), *ema.shadow.values()]
+    assert not any(shares_storage(t, x) for t in exported.state_dict().values() for x in ours)
+    torch.save(exported.state_dict(), tmp_path / "ema_model.pt")
+    assert same(torch.load(tmp_path / "ema_model.pt", weights_only=True), average)
+
+    with ema.average_weights(model) as swapped:
+        inside = ema.export()
+        kept = swapped  # the control: the module the block hands out, kept after it
+    assert same(inside.state_dict(), average) and same(model.state_dict(), live)
+    assert same(kept.state_dict(), live) and not same(kept.state_dict(), average)  # the swap did not last
 
 
 def test_copy_to_state_round_trip_and_weights_only_load(tmp_path) -> None:
