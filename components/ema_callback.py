@@ -13,6 +13,13 @@ bit for bit, through one scratch buffer the size of the largest tensor.
   ``"ema"``: evaluate with the EMA weights only, under the module's own names. ``"live"``: no EMA evaluation.
 * Checkpoints hold the EMA state (callback state, tensors and numbers only: loads with
   ``weights_only=True``); resuming restores it, so a resumed run continues the same average.
+* Every checkpoint holds the live weights in ``state_dict`` and the average in the EMA state, whenever it is
+  saved. A save during an EMA pass (``ModelCheckpoint`` on validation end, a mid-epoch validation, a callback
+  or module hook calling ``trainer.save_checkpoint``, weights-only ones included) steps out of the pass: the live
+  weights are swapped back in for the save and the average after it, in place (two more swaps, no copy kept),
+  with every callback present even while the ``"both"`` pass silences them. An exception in a pass, or
+  ``KeyboardInterrupt``, swaps the live weights back before Lightning's ``on_exception`` hooks
+  (``OnExceptionCheckpoint``) run. To keep the EMA weights as a model, use ``callback.ema.export()``.
 * ``ema_weights_at_end=True`` writes the EMA weights into the module when ``fit`` ends.
 * Under DDP every rank keeps its own EMA. Parameters are identical across ranks after each step, but
   BatchNorm statistics are not (each rank's forward updates its own; DDP copies rank 0's only at the next
@@ -23,7 +30,7 @@ bit for bit, through one scratch buffer the size of the largest tensor.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -79,7 +86,8 @@ class EMACallback(pl.Callback):
         self.ema: EMA | None = None
         self._pending: dict[str, Any] | None = None
         self._last_step = 0
-        self._wrapped: list[Any] = []
+        self._wrapped: list[tuple[Any, str]] = []  # (object, attribute) that setup shadowed with a wrapper
+        self._pass: _EMAPass | None = None  # the EMA evaluation in progress
         self._broadcast: list[tuple[TensorRefs, torch.Tensor, list[torch.Tensor]]] | None = None
 
     @property
@@ -99,15 +107,18 @@ class EMACallback(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if self.evaluate == "live":
             return
-        loops = [trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop]
-        for loop in loops:
-            if "run" not in vars(loop):  # not wrapped yet
-                loop.run = self._evaluate_with_ema(trainer, pl_module, loop.run)
-                self._wrapped.append(loop)
+        for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop):
+            self._wrap(loop, "run", lambda run: self._evaluate_with_ema(trainer, pl_module, run))
+        self._wrap(trainer, "save_checkpoint", self._save_outside_the_pass)
+
+    def _wrap(self, owner: Any, name: str, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        if name not in vars(owner):  # not wrapped yet
+            setattr(owner, name, wrapper(getattr(owner, name)))
+            self._wrapped.append((owner, name))
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        for loop in self._wrapped:
-            del loop.run  # back to the class's method
+        for owner, name in self._wrapped:
+            delattr(owner, name)  # back to the class's method
         self._wrapped.clear()
 
     def _evaluate_with_ema(
@@ -117,14 +128,27 @@ class EMACallback(pl.Callback):
             if trainer.sanity_checking:
                 return run()
             ema = self._ensure_ema(pl_module)
-            if self.evaluate == "ema":
-                with ema.average_weights(pl_module):
-                    return run()
-            with ema.average_weights(pl_module), _suffixed_logging(pl_module, self.suffix), _quiet(trainer):
-                run()
-            return run()
+            both = self.evaluate == "both"
+            self._pass = _EMAPass(trainer, pl_module, ema, self.suffix if both else None)
+            try:
+                with self._pass:
+                    result = run()
+            finally:
+                self._pass = None
+            return run() if both else result
 
         return run_with_ema
+
+    def _save_outside_the_pass(self, save: Callable[..., None]) -> Callable[..., None]:
+        """``trainer.save_checkpoint``, which during an EMA pass saves with the live weights in the module."""
+
+        def save_checkpoint(*args: Any, **kwargs: Any) -> None:
+            if self._pass is None:
+                return save(*args, **kwargs)
+            with self._pass.stepped_out():
+                return save(*args, **kwargs)
+
+        return save_checkpoint
 
     # -- training ---------------------------------------------------------------------------------------
 
@@ -190,6 +214,34 @@ def _flat_buffers(module: torch.nn.Module) -> list[tuple[TensorRefs, torch.Tenso
             refs.append(tensor, owner)
         out.append((refs, *flat_views([t for t, _ in members])))
     return out
+
+
+class _EMAPass:
+    """One evaluation run with the EMA weights in the module (``suffix``: also logging under suffixed names, with
+    no callback hooks), which a checkpoint save steps out of and back into."""
+
+    def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ema: EMA, suffix: str | None) -> None:
+        self._trainer, self._module, self._ema, self._suffix = trainer, pl_module, ema, suffix
+        self._stack = ExitStack()
+
+    def __enter__(self) -> None:
+        self._stack = ExitStack()
+        self._stack.enter_context(self._ema.average_weights(self._module))
+        if self._suffix is not None:
+            self._stack.enter_context(_suffixed_logging(self._module, self._suffix))
+            self._stack.enter_context(_quiet(self._trainer))
+
+    def __exit__(self, *exc_info: Any) -> bool:
+        return self._stack.__exit__(*exc_info)
+
+    @contextmanager
+    def stepped_out(self) -> Iterator[None]:
+        """Live weights in the module, the average in the EMA, every callback back; the pass resumes after."""
+        self._stack.close()
+        try:
+            yield
+        finally:
+            self.__enter__()
 
 
 @contextmanager

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from components import EMACallback
+from components import EMA, EMACallback
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -144,6 +147,212 @@ def test_resume_reproduces_the_uninterrupted_shadow_exactly(tmp_path: Path) -> N
     )
     assert fresh.ema is not None
     assert not torch.equal(fresh.ema.shadow["net.0.weight"], straight.ema.shadow["net.0.weight"])
+
+
+State = dict[str, torch.Tensor]
+
+
+class Truth(pl.Callback):
+    """After each optimizer step's EMA update (so placed after EMACallback): copies of the live weights and the
+    average, by global step. Neither changes while validation runs, so these are what a checkpoint saved then
+    must hold."""
+
+    def __init__(self, ema: EMACallback) -> None:
+        self.ema = ema
+        self.at: dict[int, tuple[State, State]] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        assert self.ema.ema is not None and not self.ema.ema.swapped
+        live = {k: v.clone() for k, v in pl_module.state_dict().items()}
+        self.at[trainer.global_step] = live, {k: v.clone() for k, v in self.ema.ema.shadow.items()}
+
+
+class SavesOnEvaluationEnd(pl.Callback):
+    """A user callback saving with ``trainer.save_checkpoint`` at the end of every validation and test."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory, self.saves = directory, 0
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.saves += 1
+        trainer.save_checkpoint(self.directory / f"user-{self.saves}.ckpt")
+
+    on_test_end = on_validation_end
+
+
+class SavesInItsOwnHook(Regressor):
+    """A module saving from its own hook, which runs during the EMA pass of ``evaluate="both"`` too."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__()
+        self.directory, self.saves = directory, 0
+
+    def on_validation_epoch_end(self) -> None:
+        self.saves += 1
+        self.trainer.save_checkpoint(self.directory / f"module-{self.saves}.ckpt")
+
+
+def same(state: State, expected: State) -> bool:
+    """Bit for bit, every name of ``expected``, in ``state``'s dtype (a float64 average in a float32 model)."""
+    return all(torch.equal(state[k].cpu(), v.cpu().to(state[k].dtype)) for k, v in expected.items())
+
+
+def verdict(path: Path, truth: Truth, state_key: str) -> str:
+    """What a checkpoint holds, against the live weights and the average at its global step."""
+    checkpoint = torch.load(path, weights_only=True)
+    live, average = truth.at[checkpoint["global_step"]]
+    assert not same(live, average)  # else the comparison below could not tell them apart
+    if not same(checkpoint["state_dict"], live):
+        return "state_dict holds the average" if same(checkpoint["state_dict"], average) else "state_dict: neither"
+    if "callbacks" not in checkpoint:
+        return "right (weights only)"
+    if state_key not in checkpoint["callbacks"]:
+        return "no EMA state"
+    return "right" if same(checkpoint["callbacks"][state_key]["ema"]["shadow"], average) else "EMA state: not it"
+
+
+def run_scenario(name: str, directory: Path, accelerator: str) -> tuple[list[str], Regressor, Truth, EMACallback]:
+    """Trains (and evaluates) a Regressor in one configuration that saves during an EMA pass; what each save holds."""
+    both = name == "module hook, evaluate=both"
+    shadow_dtype = torch.float64 if name == "staged shadow (float64)" else None
+    ema = EMACallback(decay=0.9, evaluate="both" if both else "ema", shadow_dtype=shadow_dtype)
+    truth = Truth(ema)
+    callbacks: list[pl.Callback] = [ema, truth]
+    kwargs: dict[str, Any] = {"accelerator": accelerator, "devices": 1}
+    if name in ("ModelCheckpoint on validation end", "staged shadow (float64)", "weights-only ModelCheckpoint"):
+        callbacks.append(
+            ModelCheckpoint(
+                directory, monitor="val/loss", save_top_k=-1, save_on_train_epoch_end=False,
+                save_weights_only=name.startswith("weights-only"),
+            )
+        )  # fmt: skip
+    elif name == "mid-epoch validation":  # ModelCheckpoint then saves after each validation, by default
+        callbacks.append(ModelCheckpoint(directory, monitor="val/loss", save_top_k=-1))
+        kwargs["val_check_interval"] = 0.5
+    elif name == "user callback before EMACallback":
+        callbacks.insert(0, SavesOnEvaluationEnd(directory))
+    elif name in ("user callback after EMACallback", "validate() and test()"):
+        callbacks.append(SavesOnEvaluationEnd(directory))
+    module = SavesInItsOwnHook(directory) if both else Regressor()
+    t = trainer(directory, callbacks, **kwargs)
+    if name == "validate() and test()":
+        t.fit(module, loader())  # no validation while fitting: the saves come from validate() and test()
+        t.validate(module, loader(64))
+        t.test(module, loader(64))
+    else:
+        t.fit(module, loader(), loader(64))
+    return [verdict(path, truth, ema.state_key) for path in sorted(directory.glob("*.ckpt"))], module, truth, ema
+
+
+SCENARIOS = [
+    "ModelCheckpoint on validation end",
+    "staged shadow (float64)",
+    "weights-only ModelCheckpoint",
+    "mid-epoch validation",
+    "user callback before EMACallback",
+    "user callback after EMACallback",
+    "validate() and test()",
+    "module hook, evaluate=both",
+]
+SAVES = {"mid-epoch validation": 4, "validate() and test()": 2, "module hook, evaluate=both": 4}  # others: 2
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_checkpoints_saved_during_the_ema_evaluation_hold_the_live_weights_and_the_average(
+    name: str, device: torch.device, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    verdicts, module, truth, ema = run_scenario(name, tmp_path / "fixed", device.type)
+    expected = "right (weights only)" if "weights-only" in name else "right"
+    assert verdicts == [expected] * SAVES.get(name, 2)
+    assert ema.ema is not None and not ema.ema.swapped
+    assert same(module.state_dict(), truth.at[max(truth.at)][0])  # the live weights, back after every pass
+
+    # The control: trainer.save_checkpoint left as it was before the fix.
+    monkeypatch.setattr(EMACallback, "_save_outside_the_pass", lambda self, save: save)
+    verdicts, *_ = run_scenario(name, tmp_path / "control", device.type)
+    assert "state_dict holds the average" in verdicts, verdicts
+
+
+def test_resume_from_a_checkpoint_saved_during_the_ema_evaluation_ends_bit_for_bit_as_the_straight_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def run(directory: Path, max_epochs: int, save: bool = False, ckpt_path: Path | None = None) -> tuple[State, State]:
+        pl.seed_everything(0)
+        ema = EMACallback(decay=0.9, warmup=True, evaluate="ema")
+        callbacks: list[pl.Callback] = [ema]
+        if save:  # last.ckpt on validation end: inside the EMA pass
+            callbacks.append(ModelCheckpoint(directory, save_last=True, save_on_train_epoch_end=False))
+        module = Regressor()
+        trainer(directory, callbacks, max_epochs=max_epochs).fit(module, loader(), loader(64), ckpt_path=ckpt_path)
+        assert ema.ema is not None
+        return module.state_dict(), dict(ema.ema.shadow)
+
+    straight = run(tmp_path / "straight", 4)
+    run(tmp_path / "first", 2, save=True)
+    checkpoint = torch.load(tmp_path / "first" / "last.ckpt", weights_only=True)
+    assert checkpoint["global_step"] == 16
+    resumed = run(tmp_path / "resumed", 4, ckpt_path=tmp_path / "first" / "last.ckpt")
+    assert same(resumed[0], straight[0]) and same(resumed[1], straight[1])
+
+    # The control: the first run saves as before the fix, with the average in state_dict (the live weights lost).
+    monkeypatch.setattr(EMACallback, "_save_outside_the_pass", lambda self, save: save)
+    run(tmp_path / "first_unfixed", 2, save=True)
+    monkeypatch.undo()
+    control = run(tmp_path / "control", 4, ckpt_path=tmp_path / "first_unfixed" / "last.ckpt")
+    assert not same(control[0], straight[0]) and not same(control[1], straight[1])
+
+
+class FailsInTheSecondValidation(Regressor):
+    def __init__(self, error: type[BaseException]) -> None:
+        super().__init__()
+        self.error = error
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if self.current_epoch == 1 and batch_idx == 1:
+            raise self.error("in the EMA evaluation")
+        super().validation_step(batch, batch_idx)
+
+
+@contextmanager
+def sigint_handler_kept() -> Iterator[None]:
+    """Lightning ignores SIGINT from a KeyboardInterrupt on; this test process should not."""
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+
+
+@pytest.mark.parametrize(("error", "exits_with"), [(RuntimeError, RuntimeError), (KeyboardInterrupt, SystemExit)])
+def test_an_exception_in_the_ema_evaluation_restores_the_live_weights_before_lightning_saves(
+    error: type[BaseException], exits_with: type[BaseException], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``OnExceptionCheckpoint`` saves in ``on_exception``, which Lightning calls once ``fit``'s loops unwound."""
+
+    def fail(directory: Path) -> tuple[str, Regressor, Truth]:
+        ema = EMACallback(decay=0.9, evaluate="ema")
+        truth = Truth(ema)
+        module = FailsInTheSecondValidation(error)
+        t = trainer(directory, [ema, truth, OnExceptionCheckpoint(directory)], enable_checkpointing=True)
+        with sigint_handler_kept(), pytest.raises(exits_with):
+            t.fit(module, loader(), loader(64))
+        return verdict(directory / "on_exception.ckpt", truth, ema.state_key), module, truth
+
+    result, module, truth = fail(tmp_path / "fixed")
+    assert result == "right"
+    assert same(module.state_dict(), truth.at[max(truth.at)][0])
+
+    @contextmanager
+    def swaps_back_only_without_an_exception(self: EMA, model: torch.nn.Module | None = None) -> Iterator[Any]:
+        self._swap = swap = self._swap_in(model)
+        yield model
+        self._swap_out(swap)
+        self._swap = None
+
+    monkeypatch.setattr(EMA, "average_weights", swaps_back_only_without_an_exception)  # the control
+    result, module, truth = fail(tmp_path / "control")
+    assert result == "state_dict holds the average"
+    assert not same(module.state_dict(), truth.at[max(truth.at)][0])
 
 
 def _ddp_shadows(out: Path, *args: str) -> tuple[dict, dict]:
