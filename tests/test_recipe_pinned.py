@@ -135,6 +135,8 @@ def test_augmented_items_are_new_uint8_images_and_the_source_is_untouched() -> N
     assert torch.equal(plain[3][0], plain[3][0])  # no augmentation: the same image every time
     torch.manual_seed(0)
     assert not all(torch.equal(augmented[3][0], augmented[3][0]) for _ in range(5))  # augmentation: random
+    tinted, _ = AugmentedDigits(images, labels, size=32, channels=3)[0]
+    assert tinted.shape == (3, 32, 32) and not torch.equal(tinted[0], tinted[1])  # three channels, tinted apart
     assert torch.equal(images, before) and images._version == version
     batch = next(iter(DataLoader(plain, batch_size=8)))
     normalized, _ = normalize(batch)
