@@ -110,3 +110,27 @@ def test_the_readme_states_the_claims_the_gpu_check_enforces() -> None:
     readme = " ".join((ROOT / "README.md").read_text().split())  # lines wrap anywhere
     assert f"at least {MIN_PREFETCH_GAIN}x" in readme and f"at most {MAX_DATA_WAIT:.0%}" in readme
     assert f"at least {MIN_COPY_SHARE}% of a plain copy's bandwidth" in readme
+
+
+@pytest.mark.parametrize(("code", "verdict"), [(0, "**all tests passed**"), (1, "**FAILED: 1 failed, 372 passed")])
+def test_gpu_check_suite_mode_reports_pytests_verdict(
+    code: int, verdict: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--suite`` runs the default suite (here a stand-in for it) and writes its own report."""
+    import scripts.gpu_check as gpu_check
+
+    summary = "1 failed, 372 passed, 106 skipped in 463.52s" if code else "373 passed, 106 skipped in 463.52s"
+    ran: list[list[str]] = []
+
+    def fake_run(command: list[str], log: list[str], timeout: int = 600) -> subprocess.CompletedProcess[str]:
+        ran.append(command)
+        log.append(f"$ {' '.join(command)}  (exit {code})")
+        return subprocess.CompletedProcess(command, code, stdout=f"....\n{summary}\n", stderr="")
+
+    monkeypatch.setattr(gpu_check, "run", fake_run)
+    report = tmp_path / "suite.md"
+    assert gpu_check.main(["--dry-run", "--suite", "--output", str(report)]) == code
+    (command,) = ran
+    assert command[command.index("-m", 2) + 1] == "not slow"
+    text = report.read_text()
+    assert text.startswith("# The default suite on a GPU") and verdict in text and summary in text
