@@ -15,7 +15,8 @@ that recipe), ``train.py``, the components it imports and only those, the tests 
   the strings of a test that builds ``f"+recipe={name}"``); helpers under ``tests/`` that a copied test
   names (``"ddp_ema.py"``) come with it.
 * Dependencies: ours, less those no copied file imports; a package the copied code imports that ours
-  only bring in indirectly (``pillow``, ``numpy``) is listed explicitly.
+  only bring in indirectly (``pillow``, ``numpy``) is listed explicitly. No ``docs`` extra: a starter
+  has no docs site.
 
 Exit status 2, with one line, for an unknown recipe or a non-empty ``DEST``.
 """
@@ -370,6 +371,9 @@ def _filter_docstring(text: str, dropped: set[str]) -> str:
 def _pyproject(root: Path, name: str, recipe: str, imports: set[str]) -> tuple[str, list[str], list[str], list[str]]:
     """Ours with a new name and description, and only the dependencies the copied code imports."""
     text = (root / "pyproject.toml").read_text()
+    # A starter has no docs site: no `docs` extra, and no other extra that pulls ours in.
+    ours = re.escape(re.search(r'^name = "(.*)"$', text, re.M)[1])
+    text = re.sub(rf'^docs = \[.*\]\n|"{ours}\[docs\]",\s*', "", text, flags=re.M)
     providers = packages_distributions()
     needed = {_dist_key(d) for top in imports for d in providers.get(top, [top])}
     block = re.search(r"^dependencies = \[\n(.*?)^\]", text, re.M | re.S)

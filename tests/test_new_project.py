@@ -126,6 +126,7 @@ def test_starter_holds_only_the_components_and_tests_it_needs(tmp_path: Path) ->
     assert "GraphRetentionGuard" in init and "EMA" not in init and "ReplayBuffer" not in init
     assert '"gymnasium' in (dqn / "pyproject.toml").read_text()
     assert '"gymnasium' not in (metrics / "pyproject.toml").read_text()
+    assert "mkdocs" not in (metrics / "pyproject.toml").read_text()  # no docs site, no docs extra
     pinned = generate("pinned", tmp_path / "pinned")
     assert (pinned / "conf" / "pinned" / "gpu_scale.yaml").is_file()  # the recipe's own option group comes along
     assert not (metrics / "conf" / "pinned").exists()  # another recipe's does not
