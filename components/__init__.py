@@ -1,50 +1,57 @@
-"""Copy-correct training components and the probes that prove their copy behaviour.
+"""Copy-correct training parts, and the probes that prove their copy behaviour.
 
-Probes (usable on any PyTorch code):
-    CopyAudit          every op that allocates storage or writes in place, with bytes
-    MemoryProbe        peak / net bytes of the storage a block creates, one ledger on every device
-    find_graph_refs    paths of tensors that keep an autograd graph alive
-    shares_storage     storage-level aliasing (not ``data_ptr()`` equality)
+Two groups, and one direction between them: the probes (``components/probes/``) measure; the training parts
+(the other modules here) train, and never import a probe, so a project can take a training part without them.
+Every name is importable from ``components``.
 
-Training components:
-    EMA                shadow weights averaged in place with one foreach call per group
-    make_target        a frozen copy of a network (own storage, no grad, eval mode)
-    hard_update        target <- online, in place, bit for bit, one foreach call per group
-    soft_update        target <- (1 - tau) target + tau online, in place
-    ReplayBuffer       preallocated transitions written in place, sampled as independent tensors
-    GradientAverager   a parameter list's gradients averaged over processes, one collective per dtype
-    frozen             a block in which a module's parameters do not require grad, flags restored after
-    DevicePrefetcher   batches on the device, the next one's copy overlapping compute on a side stream
-    DeviceDataLoader   a DataLoader whose iterator is a DevicePrefetcher (DDP samplers still injected)
-    make_loader        a loader that pins only for an accelerator, with or without the prefetcher
+Probes (``components.probes``, usable on any PyTorch code):
+    CopyAudit            every op that allocates storage or writes in place, with bytes
+    TensorEvent          one tensor an op touched, as ``CopyAudit`` records it: op, alloc or write, bytes, dtype, shape
+    MemoryProbe          peak / net bytes of the storage a block creates, one ledger on every device
+    find_graph_refs      paths of tensors that keep an autograd graph alive
+    shares_storage       storage-level aliasing (not ``data_ptr()`` equality)
+    storage_key          the identity of a tensor's storage, comparable across views
+    StepProbe            Lightning callback: audits one training batch's copies, measures memory growth per batch
+    GraphRetentionGuard  Lightning callback: fails a run the step a graph leaks into outputs, attributes or metrics
+    GraphRetentionError  what ``GraphRetentionGuard`` raises
 
-Lightning plugins and callbacks:
-    AtomicCheckpointIO   checkpoints streamed to a file beside the target and renamed over it: no torn files
-    EMACallback          an EMA of the module: updated per optimizer step, evaluated beside it, checkpointed
-    DataWaitMonitor      logs samples per second and the share of time spent waiting for batches
-    GraphRetentionGuard  fails a run the step a graph leaks into outputs, attributes or metric states
-    ResumeState          every rank's global RNG states, recipe and seed in checkpoints: exact resume, foreign refused
-    RunSummary           writes ``summary.json`` (final metrics, recipe, seed) into the run directory
-    StepProbe            audits one training batch's copies and measures memory growth per batch
+Training parts:
+    EMA                  shadow weights averaged in place with one foreach call per group
+    make_target          a frozen copy of a network (own storage, no grad, eval mode)
+    hard_update          target <- online, in place, bit for bit, one foreach call per group
+    soft_update          target <- (1 - tau) target + tau online, in place
+    ReplayBuffer         preallocated transitions written in place, sampled as independent tensors
+    GradientAverager     a parameter list's gradients averaged over processes, one collective per dtype
+    frozen               a block in which a module's parameters do not require grad, flags restored after
+    DevicePrefetcher     batches on the device, the next one's copy overlapping compute on a side stream
+    map_tensors          a function applied to every tensor of a nested batch, the structure kept
+    DeviceDataLoader     a DataLoader whose iterator is a DevicePrefetcher (DDP samplers still injected)
+    make_loader          a loader that pins only for an accelerator, with or without the prefetcher
+    AtomicCheckpointIO   Lightning plugin: checkpoints streamed to a file beside the target and renamed over it
+    EMACallback          Lightning callback: an EMA of the module, updated per optimizer step, evaluated, checkpointed
+    DataWaitMonitor      Lightning callback: samples per second and the share of time spent waiting for batches
+    ResumeState          Lightning callback: every rank's RNG states, recipe and seed in checkpoints; exact resume
+    check_checkpoint     raises ``ValueError`` unless a checkpoint was stamped with this recipe and seed
+    RunSummary           Lightning callback: writes ``summary.json`` (final metrics, recipe, seed)
 """
 
 from components.atomic_checkpoint import AtomicCheckpointIO
-from components.copy_audit import CopyAudit, TensorEvent
 from components.data_wait import DataWaitMonitor
 from components.device_loader import DeviceDataLoader, make_loader
 from components.ema import EMA
 from components.ema_callback import EMACallback
 from components.freeze import frozen
 from components.grad_average import GradientAverager
-from components.graph_guard import GraphRetentionError, GraphRetentionGuard
-from components.graph_refs import find_graph_refs
-from components.memory_probe import MemoryProbe
 from components.prefetch import DevicePrefetcher, map_tensors
+from components.probes.copy_audit import CopyAudit, TensorEvent
+from components.probes.graph_guard import GraphRetentionError, GraphRetentionGuard
+from components.probes.graph_refs import find_graph_refs
+from components.probes.memory_probe import MemoryProbe
+from components.probes.step_probe import StepProbe
+from components.probes.storage import shares_storage, storage_key
 from components.replay import ReplayBuffer
 from components.resume import ResumeState, check_checkpoint
 from components.run_summary import RunSummary
-from components.step_probe import StepProbe
-from components.storage import shares_storage, storage_key
 from components.target import hard_update, make_target, soft_update
 
 __all__ = [

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from components import MemoryProbe, frozen  # noqa: E402
-from components._storage_events import human_bytes  # noqa: E402
+from components.probes._storage_events import human_bytes  # noqa: E402
 from recipes.gan import Discriminator, Generator, _bce, discriminator_loss  # noqa: E402
 from scripts.bench_report import command_line, measured_on, median_ms, parse_args, write_section  # noqa: E402
 

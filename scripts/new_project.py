@@ -7,7 +7,9 @@ that recipe), ``train.py``, the components it imports and only those, the tests 
 * Code: the imports (``ast``) of ``train.py``, ``recipes/RECIPE.py``, the conf's ``_target_``s and the
   recipe's own tests (``tests/conftest.py``, ``tests/test_recipe_RECIPE.py``), followed transitively. A
   name taken from ``components`` counts as the submodule ``components/__init__.py`` imports it from, and
-  the starter gets a ``components/__init__.py`` that exports only the names of the modules it has.
+  the starter gets a ``components/__init__.py`` that exports only the names of the modules it has. A
+  subpackage that re-exports (``components/probes/``) is reduced the same way, and comes only when one
+  of its modules does.
 * A copied component's own test (``components/ema.py`` -> ``tests/test_ema.py``) comes with it, and with
   the components it needs (the probes it measures with), unless it needs a recipe or a script.
 * Other tests: each test file that imports something the starter has and nothing it lacks, and that names

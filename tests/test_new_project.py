@@ -113,9 +113,14 @@ def test_starter_holds_only_the_components_and_tests_it_needs(tmp_path: Path) ->
     metrics, ema, dqn = (generate(r, tmp_path / r) for r in ("metrics", "ema", "dqn"))
     assert (ema / "components" / "ema.py").is_file() and (ema / "tests" / "test_ema.py").is_file()
     assert not (metrics / "components" / "ema.py").exists() and not (metrics / "tests" / "test_ema.py").exists()
-    assert (metrics / "components" / "graph_guard.py").is_file() and not (
-        dqn / "components" / "graph_guard.py"
-    ).exists()
+    # Probes come as the code that measures with them needs them: metrics' conf runs the graph guard, dqn's tests
+    # measure memory and storage but guard no graph; each starter's probes/__init__ exports only what it has.
+    probes = {dest.name: {p.name for p in (dest / "components" / "probes").glob("*.py")} for dest in (metrics, dqn)}
+    assert {"graph_guard.py", "graph_refs.py"} <= probes["metrics"]
+    assert not {"graph_guard.py", "graph_refs.py", "step_probe.py"} & probes["dqn"]
+    assert {"memory_probe.py", "storage.py"} <= probes["dqn"]
+    dqn_probes = (dqn / "components" / "probes" / "__init__.py").read_text()
+    assert "MemoryProbe" in dqn_probes and "GraphRetentionGuard" not in dqn_probes and "StepProbe" not in dqn_probes
     assert (dqn / "components" / "replay.py").is_file() and (dqn / "tests" / "test_replay.py").is_file()
     assert not (dqn / "recipes" / "digits.py").exists() and (metrics / "recipes" / "digits.py").is_file()
     assert (ema / "tests" / "scripts" / "ddp_ema.py").is_file()  # named by test_ema_callback.py, which is copied
@@ -140,16 +145,23 @@ SMALL_TREE = {
     "conf/config.yaml": "seed: 0\n",
     "conf/recipe/a.yaml": "model:\n  _target_: recipes.a.Model\ncallbacks:\n  x:\n    _target_: components.X\n",
     "conf/recipe/b.yaml": "model:\n  _target_: recipes.b.Model\n",
+    "conf/recipe/c.yaml": "model:\n  _target_: recipes.c.Model\n",
     "recipes/__init__.py": "",
     "recipes/a.py": '"""Recipe ``a``: teaches a.\n\nChange first: the ``Model``.\n"""\n\nimport torch\n',
     "recipes/b.py": "import gymnasium\n",
-    "components/__init__.py": '"""Parts.\n\nThings:\n    X      the x\n    Probe  measures\n\n'
+    "recipes/c.py": "from components import Y\n",  # a training part whose test needs no probe
+    "components/__init__.py": '"""Parts.\n\nThings:\n    X      the x\n    Probe  measures\n    Other  measures\n\n'
     'Others:\n    Y      the y\n"""\n\n'
-    "from components.probe import Probe\nfrom components.x import X\nfrom components.y import Y\n\n"
-    '__all__ = [\n    "Probe",\n    "X",\n    "Y",\n]\n',
+    "from components.probes.other import Other\nfrom components.probes.probe import Probe\n"
+    "from components.x import X\nfrom components.y import Y\n\n"
+    '__all__ = [\n    "Other",\n    "Probe",\n    "X",\n    "Y",\n]\n',
+    "components/probes/__init__.py": '"""Probes.\n\n    Other  measures\n    Probe  measures\n"""\n\n'
+    "from components.probes.other import Other\nfrom components.probes.probe import Probe\n\n"
+    '__all__ = [\n    "Other",\n    "Probe",\n]\n',
+    "components/probes/other.py": "",
+    "components/probes/probe.py": "",
     "components/x.py": "from components._helper import h\n",
     "components/_helper.py": "h = 1\n",
-    "components/probe.py": "",
     "components/y.py": "",
     "scripts/tool.py": "",
     "tests/__init__.py": "",
@@ -173,13 +185,19 @@ def test_discovery_rules_on_a_small_tree(tmp_path: Path) -> None:
     assert set(starter.files) == {
         "README.md", "pyproject.toml", "train.py", "conf/config.yaml", "conf/recipe/a.yaml",
         "recipes/__init__.py", "recipes/a.py",
-        "components/__init__.py", "components/_helper.py", "components/probe.py", "components/x.py",
+        "components/__init__.py", "components/_helper.py", "components/x.py",
+        "components/probes/__init__.py", "components/probes/probe.py",
         "tests/__init__.py", "tests/conftest.py", "tests/test_recipe_a.py", "tests/test_x.py",
         "tests/scripts/__init__.py", "tests/scripts/helper_x.py",
     }  # fmt: skip
     init = str(starter.files["components/__init__.py"])
     assert "from components.y" not in init and '"Y"' not in init and "the y" not in init and "Others:" not in init
-    assert "Probe  measures" in init and '"X",' in init
+    assert "Probe  measures" in init and '"X",' in init and "Other" not in init
+    probes = str(starter.files["components/probes/__init__.py"])  # a subpackage is reduced the same way
+    assert "from components.probes.probe import Probe" in probes and '"Probe",' in probes and "Other" not in probes
+    no_probe = plan("c", "q", root=tmp_path)  # its code and tests measure nothing: no probes at all
+    assert {p for p in no_probe.files if p.startswith("components/")} == {"components/__init__.py", "components/y.py"}
+    assert "probes" not in str(no_probe.files["components/__init__.py"])
     assert starter.dependencies == ["torch"] and starter.dropped == ["gymnasium"]
     readme = str(starter.files["README.md"])
     assert "python train.py +recipe=a\n" in readme and "the `Model`." in readme and "teaches a." in readme

@@ -30,7 +30,7 @@ from types import TracebackType
 
 import torch
 
-from components._storage_events import StorageEvents, TensorEvent, human_bytes
+from components.probes._storage_events import StorageEvents, TensorEvent, human_bytes
 
 __all__ = ["MemoryProbe"]
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from components.graph_refs import find_graph_refs
+from components.probes.graph_refs import find_graph_refs
 
 __all__ = ["GraphRetentionError", "GraphRetentionGuard"]
 

@@ -20,9 +20,9 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from components._storage_events import human_bytes
-from components.copy_audit import CopyAudit
-from components.memory_probe import MemoryProbe
+from components.probes._storage_events import human_bytes
+from components.probes.copy_audit import CopyAudit
+from components.probes.memory_probe import MemoryProbe
 
 __all__ = ["StepProbe"]
 

@@ -27,7 +27,7 @@ from collections import Counter
 
 import torch
 
-from components._storage_events import StorageEvents, TensorEvent, human_bytes
+from components.probes._storage_events import StorageEvents, TensorEvent, human_bytes
 
 __all__ = ["CopyAudit", "TensorEvent"]
 

@@ -1,0 +1,32 @@
+"""Probes: the tools that measure what code copies, allocates and keeps alive. They prove the training parts'
+copy contracts in the tests and work on any PyTorch code; no training part imports them.
+
+    CopyAudit            every op that allocates storage or writes in place, with bytes
+    TensorEvent          one tensor an op touched, as ``CopyAudit`` records it: op, alloc or write, bytes, dtype, shape
+    MemoryProbe          peak / net bytes of the storage a block creates, one ledger on every device
+    find_graph_refs      paths of tensors that keep an autograd graph alive
+    shares_storage       storage-level aliasing (not ``data_ptr()`` equality)
+    storage_key          the identity of a tensor's storage, comparable across views
+    StepProbe            Lightning callback: audits one training batch's copies, measures memory growth per batch
+    GraphRetentionGuard  Lightning callback: fails a run the step a graph leaks into outputs, attributes or metrics
+    GraphRetentionError  what ``GraphRetentionGuard`` raises
+"""
+
+from components.probes.copy_audit import CopyAudit, TensorEvent
+from components.probes.graph_guard import GraphRetentionError, GraphRetentionGuard
+from components.probes.graph_refs import find_graph_refs
+from components.probes.memory_probe import MemoryProbe
+from components.probes.step_probe import StepProbe
+from components.probes.storage import shares_storage, storage_key
+
+__all__ = [
+    "CopyAudit",
+    "GraphRetentionError",
+    "GraphRetentionGuard",
+    "MemoryProbe",
+    "StepProbe",
+    "TensorEvent",
+    "find_graph_refs",
+    "shares_storage",
+    "storage_key",
+]
