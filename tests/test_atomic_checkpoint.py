@@ -64,8 +64,11 @@ def test_a_save_holds_no_serialised_copy_of_the_checkpoint_in_memory(tmp_path: P
         finally:
             tracemalloc.stop()
 
-    assert peak(AtomicCheckpointIO()) < 0.01 * size
-    assert peak(TorchCheckpointIO()) > size  # the control: Lightning's BytesIO holds the whole serialised file
+    ours, lightning = peak(AtomicCheckpointIO()), peak(TorchCheckpointIO())
+    print(f"tracemalloc peak of a save, over the checkpoint's {size} B: ours {ours / size:.4f}x, Lightning's "
+          f"{lightning / size:.2f}x")  # fmt: skip
+    assert ours < 0.01 * size
+    assert lightning > size  # the control: Lightning's BytesIO holds the whole serialised file
 
 
 def test_a_failed_write_leaves_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
