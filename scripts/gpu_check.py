@@ -16,11 +16,12 @@ Steps, each recorded in the report:
      their ratio and the share of time spent waiting for data, from each run's summary.json;
   6. a short training run of each recipe with ``trainer=gpu``, its summary.json figures.
 
-The claims the README makes for a GPU are checked against what the run measured (``CLAIMS``); the report
-says which hold. Exit status 1 when a test, a benchmark, a recipe run or a claim fails. ``--suite`` runs the
-default suite (``pytest -m "not slow"``) instead, as a user with a GPU would: a separate call, because it
-takes minutes. ``--dry-run`` runs the steps on the CPU with small sizes (``-m gpu`` then skips everything, and
-the claims are reported but not enforced: CPU figures say nothing about a GPU): it checks the script.
+The claims the manual makes for a GPU (``docs/guides/testing.md``, "What a GPU run must show") are checked against
+what the run measured (``CLAIMS``); the report says which hold. Exit status 1 when a test, a benchmark, a recipe run
+or a claim fails. ``--suite`` runs the default suite (``pytest -m "not slow"``) instead, as a user with a GPU would:
+a separate call, because it takes minutes. ``--dry-run`` runs the steps on the CPU with small sizes (``-m gpu`` then
+skips everything, and the claims are reported but not enforced: CPU figures say nothing about a GPU): it checks the
+script.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from scripts.bench_report import read_tables  # noqa: E402
 
-# The GPU claims of the README ("What a GPU run must show"), checked here.
+# The GPU claims of the manual (docs/guides/testing.md, "What a GPU run must show"), checked here.
 MIN_PREFETCH_GAIN = 1.3  # pinned at GPU scale: samples/s with the prefetcher over data.prefetch=false
 MAX_DATA_WAIT = 0.10  # pinned at GPU scale, with the prefetcher: share of the time spent waiting for data
 MIN_COPY_SHARE = 70  # percent of a plain copy's bandwidth: hard_update, soft_update, EMA.update, large models
@@ -259,7 +260,7 @@ def main(argv: list[str]) -> int:
 def _claims_section(claims: list[tuple[str, bool]], enforced: bool) -> str:
     note = "" if enforced else " (dry run: CPU figures, reported, not enforced)"
     lines = [f"- {'held' if held else 'NOT MET'}: {text}" for text, held in claims]
-    return f"## The README's GPU claims{note}\n\n" + "\n".join(lines)
+    return f"## The manual's GPU claims{note}\n\n" + "\n".join(lines)
 
 
 def _scale_table(pair: dict[str, dict[str, float]], overrides: list[str]) -> str:

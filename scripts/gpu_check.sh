@@ -7,7 +7,7 @@
 #      elsewhere: pip download --no-deps --only-binary=:all: -d wheels hydra-core==1.3.8 omegaconf==2.3.1
 #      gymnasium==1.4.0 farama-notifications==0.0.6, plus antlr4-python3-runtime==4.9.3 built as a wheel)
 #   2. bash scripts/gpu_check.sh [--budget S] -> docs/gpu-results.md; exit 1 if a test, a recipe run or a
-#      README claim for a GPU failed (--budget: S seconds of timing per benchmark configuration)
+#      GPU claim of the manual failed (--budget: S seconds of timing per benchmark configuration)
 #   3. bash scripts/gpu_check.sh --suite     -> docs/gpu-suite.md: the default suite on the GPU (minutes)
 # Nothing is fetched from the network. Extra arguments go to scripts/gpu_check.py (e.g. --dry-run);
 # PYTHON=path/to/python picks the interpreter (default python3).

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = ROOT / "conf"
 QUIET = ("trainer.enable_progress_bar=false", "trainer.enable_model_summary=false")
-# For tests that are CPU-only by nature (bit-for-bit repeatability and resume, which the README claims for CPU runs):
+# For tests that are CPU-only by nature (bit-for-bit repeatability and resume, which the manual claims for CPU runs):
 # they run on the CPU even where a GPU is present, instead of on the device that `accelerator: auto` picks.
 ON_CPU = "trainer=cpu"
 
