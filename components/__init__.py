@@ -2,12 +2,13 @@
 
 Probes (usable on any PyTorch code):
     CopyAudit          every op that allocates storage or writes in place, with bytes
+    CollectiveProbe    the collectives a block issues on this rank (all-gather, reduce-scatter, ...), with bytes
     MemoryProbe        peak / net bytes of the storage a block creates, one ledger on every device
     find_graph_refs    paths of tensors that keep an autograd graph alive
     shares_storage     storage-level aliasing (not ``data_ptr()`` equality)
 
 Training components:
-    EMA                shadow weights averaged in place with one foreach call per group
+    EMA                shadow weights averaged in place, one foreach call per group; sharded: per rank, no collective
     make_target        a frozen copy of a network (own storage, no grad, eval mode)
     hard_update        target <- online, in place, bit for bit, one foreach call per group
     soft_update        target <- (1 - tau) target + tau online, in place
@@ -29,6 +30,7 @@ Lightning plugins and callbacks:
 """
 
 from components.atomic_checkpoint import AtomicCheckpointIO
+from components.collective_probe import CollectiveProbe
 from components.copy_audit import CopyAudit, TensorEvent
 from components.data_wait import DataWaitMonitor
 from components.device_loader import DeviceDataLoader, make_loader
@@ -50,6 +52,7 @@ from components.target import hard_update, make_target, soft_update
 __all__ = [
     "EMA",
     "AtomicCheckpointIO",
+    "CollectiveProbe",
     "EMACallback",
     "CopyAudit",
     "DataWaitMonitor",
