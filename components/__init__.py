@@ -25,6 +25,7 @@ Lightning plugins and callbacks:
     DataWaitMonitor      logs samples per second and the share of time spent waiting for batches
     GraphRetentionGuard  fails a run the step a graph leaks into outputs, attributes or metric states
     ResumeState          every rank's global RNG states, recipe and seed in checkpoints: exact resume, foreign refused
+    CheckpointMismatch   raised while restoring a checkpoint that does not fit the run (train.py: one line, exit 2)
     RunSummary           writes ``summary.json`` (final metrics, recipe, seed) into the run directory
     StepProbe            audits one training batch's copies and measures memory growth per batch
 """
@@ -43,7 +44,7 @@ from components.graph_refs import find_graph_refs
 from components.memory_probe import MemoryProbe
 from components.prefetch import DevicePrefetcher, map_tensors
 from components.replay import ReplayBuffer
-from components.resume import ResumeState, check_checkpoint
+from components.resume import CheckpointMismatch, ResumeState, check_checkpoint
 from components.run_summary import RunSummary
 from components.step_probe import StepProbe
 from components.storage import shares_storage, storage_key
@@ -52,6 +53,7 @@ from components.target import hard_update, make_target, soft_update
 __all__ = [
     "EMA",
     "AtomicCheckpointIO",
+    "CheckpointMismatch",
     "CollectiveProbe",
     "EMACallback",
     "CopyAudit",
