@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from components import EMACallback
 from components._sharding import is_sharded
+from tests.scripts.without_state import EMACallbackWithoutState
 from tests.test_ema_callback import Regressor, loader
 
 
@@ -46,17 +47,6 @@ class ShardedRegressor(Regressor):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, foreach=True)
-
-
-class ForgetsItsState(EMACallback):
-    """The control: resumes with a fresh average (its state found under EMACallback's key, and ignored)."""
-
-    @property
-    def state_key(self) -> str:
-        return "EMACallback{'decay': 0.9}"
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        pass
 
 
 class Truth(pl.Callback):
@@ -112,7 +102,9 @@ def main(rank: int, out: Path) -> None:
         results[f"straight-{kind}"], truths[kind] = fit(out / f"straight-{kind}", distributed, 4)
         second = out / f"straight-{kind}" / "epoch=1.ckpt"
         results[f"resumed-{kind}"], _ = fit(out / f"resumed-{kind}", distributed, 4, ckpt_path=second)
-    results["control"], _ = fit(out / "control", True, 4, out / "straight-dcp" / "epoch=1.ckpt", ForgetsItsState)
+    results["control"], _ = fit(
+        out / "control", True, 4, out / "straight-dcp" / "epoch=1.ckpt", EMACallbackWithoutState
+    )
     with mock.patch.object(EMACallback, "_save_outside_the_pass", lambda self, save: save):
         _, truths["unfixed"] = fit(out / "unfixed", True, 2)
     torch.save(results, out / f"rank{rank}.pt")
