@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import ROOT, child_env
+from tests.conftest import CUDA, ROOT, child_env
 from tests.test_grad_average import _free_port
 
 WORLD = 2
@@ -174,3 +174,15 @@ def test_mixed_precision_keeps_a_float32_average_of_the_float32_sharded_paramete
         assert mixed["average_out"].dtype == torch.bfloat16
         assert torch.equal(mixed["average_out"], mixed["bf16_out"])  # computes with the average cast to bf16
 
+
+@pytest.mark.gpu
+@CUDA
+def test_on_a_gpu_the_sharded_update_syncs_nothing_sends_nothing_and_equals_the_unsharded_one(tmp_path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "scripts" / "sharded_cuda.py"), str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env(TEST_PORT=_free_port()),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]  # a host sync inside the update raises there
+    saved = torch.load(tmp_path / "cuda.pt", weights_only=True)
+    assert saved["collectives"] == [0, 0, 0]
+    assert same(saved["gathered"], saved["reference"])
