@@ -17,6 +17,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import train
+from components import AtomicCheckpointIO
 from tests.conftest import QUIET, ROOT, child_env, compose_config, warning_lines
 from tests.test_ddp import RANK_LOCAL, SHORT, assert_same_tensors
 from tests.test_grad_average import _free_port
@@ -142,8 +143,32 @@ def test_a_distributed_checkpoint_is_refused_under_another_trainer(
         cfg = compose_config("+recipe=ema", trainer, f"ckpt_path={run}", output_dir=tmp_path)
         with pytest.raises(ValueError, match=r"is a distributed checkpoint \(a directory of shards\): resume it with"):
             train.checkpoint_to_resume(cfg)
-    cfg = compose_config("+recipe=ema", "trainer=fsdp", f"ckpt_path={run}", output_dir=tmp_path)
-    assert train.checkpoint_to_resume(cfg) == str(run / "checkpoints" / "last.ckpt")  # the control
+    for path in (run, run / "checkpoints" / "last.ckpt"):  # the control: a run directory, a checkpoint directory
+        cfg = compose_config("+recipe=ema", "trainer=fsdp", f"ckpt_path={path}", output_dir=tmp_path)
+        assert train.checkpoint_to_resume(cfg) == str(run / "checkpoints" / "last.ckpt")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")  # one process here
+def test_one_file_checkpoints_go_through_atomic_checkpoint_io_and_directories_do_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What ModelParallelStrategy does with the trainer's CheckpointIO plugin, in this process (rank 0, no group)."""
+    written: list[Path] = []
+    monkeypatch.setattr(
+        AtomicCheckpointIO, "save_checkpoint", lambda self, checkpoint, path, **kwargs: written.append(path)
+    )
+    for one_file in (True, False):
+        overrides = ("+recipe=ema", *FSDP, f"trainer.strategy.save_distributed_checkpoint={str(not one_file).lower()}")
+        trainer, _, _ = train.build(compose_config(*overrides, output_dir=tmp_path))
+        assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)
+        path = tmp_path / f"{'file' if one_file else 'directory'}.ckpt"
+        trainer.strategy.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "epoch": 0}, path)
+        if one_file:
+            assert written == [path]
+        else:  # torch.distributed.checkpoint's files and torch.save's meta.pt, not the plugin
+            assert (
+                written == [tmp_path / "file.ckpt"] and (path / ".metadata").is_file() and (path / "meta.pt").is_file()
+            )
 
 
 def read(path: Path, scratch: Path) -> dict:

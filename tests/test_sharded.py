@@ -100,6 +100,12 @@ def test_local_views_are_taken_per_call_and_a_conversion_moves_the_shards(ranks:
         # ... while the EMA, updated once after the conversion, still equals the reference (the first test)
 
 
+def test_sharded_parameters_have_no_fused_sgd(ranks: list[dict]) -> None:
+    assert ranks[0]["ema"]["fused_sgd"].startswith(
+        "Operator aten._fused_sgd_.default does not have a sharding strategy"
+    )
+
+
 def test_the_full_average_is_gathered_on_request_into_a_plain_state_dict_and_export_refuses(ranks: list[dict]) -> None:
     for rank in ranks:
         ema = rank["ema"]

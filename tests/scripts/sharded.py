@@ -9,7 +9,8 @@ target are "the unsharded run with the same data order". Saved per rank (tensors
   gather-based control's; bytes and collectives of ``update`` and of the control's update; ``average_weights``
   outputs, aliasing, guards, nesting, exceptions, and the control without ``reshard``; the ``to_local()`` storages
   across steps; ``export``/``full_state_dict``; a ``torch.distributed.checkpoint`` round trip; what
-  ``load_state_dict`` says to states spread otherwise (and the control with the check switched off).
+  ``load_state_dict`` says to states spread otherwise (and the control with the check switched off); what a fused
+  SGD step says to sharded parameters.
 * ``target``: gathered targets and the replica's after hard and soft updates; collectives and bytes of each update;
   the target's forward after an update, and the control without ``reshard``; the refusals.
 * ``mixed``: a ``MixedPrecisionPolicy(param_dtype=bfloat16)`` model's shadow dtype, the sharded parameters' dtype,
@@ -238,6 +239,14 @@ def ema_checks(rank: int, mesh: DeviceMesh, directory: Path) -> dict[str, Any]:
         before = one_rank.full_state_dict()
         one_rank.load_state_dict(full_state)
         out["without_check"] = any(not torch.equal(before[k], v) for k, v in one_rank.full_state_dict().items())
+
+    model.train()
+    model(x).sum().backward()
+    try:  # the ema recipe steps with foreach when sharded: this is why
+        torch.optim.SGD(model.parameters(), lr=0.1, fused=True).step()
+        out["fused_sgd"] = "accepted"
+    except NotImplementedError as err:
+        out["fused_sgd"] = str(err)
     return out
 
 
