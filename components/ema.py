@@ -28,7 +28,7 @@ Copy contract:
   buffers cloned, gradients not), the average copied into it. The model and the shadow are only read, so no
   swap can escape into what is exported or saved from it.
 
-Sharded models (FSDP2: every parameter a ``DTensor``, each rank holding its shard):
+Sharded models (FSDP2: every parameter a ``DTensor``, each rank holding its shard; ``ema.sharded`` is True):
 
 * The shadow is per rank: each sharded parameter's shadow is a ``DTensor`` spread like it, whose local tensor
   (``shadow[name].to_local()``) is a copy of this rank's shard and has its shape, so a rank keeps 1/N of the
@@ -41,9 +41,9 @@ Sharded models (FSDP2: every parameter a ``DTensor``, each rank holding its shar
 * ``state_dict`` holds the shadow as ``DTensor``s (save it with ``torch.distributed.checkpoint``) and, under
   ``layout``, how each one is spread. Buffers stay plain tensors, each rank's own, and a distributed checkpoint
   keeps one copy of a plain tensor, as if every rank held the same: save them when they agree (``EMACallback``
-  makes them agree). ``load_state_dict`` takes ``DTensor``s or full plain tensors (each rank
-  copies its own part; nothing is sent), and refuses, naming both, a state spread otherwise than the model (another
-  world size, another placement, or unsharded): never resharded silently.
+  makes them agree). ``load_state_dict`` takes ``DTensor``s or full plain tensors (each rank copies its own part;
+  nothing is sent), and refuses, naming both, a state spread otherwise than the model (another world size, another
+  placement, or unsharded): never resharded silently.
 * ``full_state_dict()`` gathers the average once, on request, into full plain CPU tensors: a plain module's
   ``state_dict``. ``export()`` cannot deep-copy a sharded model (FSDP2 forbids it) and says so.
 * Mixed precision (``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``): FSDP2 keeps the sharded parameters in
