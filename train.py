@@ -110,18 +110,29 @@ def _unknown_key(full_key: str, siblings: list[str]) -> str:
 
 
 def checkpoint_to_resume(cfg: DictConfig) -> str | None:
-    """``cfg.ckpt_path`` as a checkpoint file this run can resume from (a run directory means its
-    ``checkpoints/last.ckpt``), or None; ``ValueError`` naming ``ckpt_path`` when there is no such file or it
-    holds another recipe's or seed's run."""
+    """``cfg.ckpt_path`` as a checkpoint this run can resume from (a file, or the directory of a distributed checkpoint;
+    a run directory means its ``checkpoints/last.ckpt``), or None; ``ValueError`` naming ``ckpt_path`` when there is no
+    such checkpoint, it holds another recipe's or seed's run, or it is a distributed checkpoint and the trainer is not
+    ``trainer=fsdp``."""
     value = cfg.get("ckpt_path")
     if value is None:
         return None
-    path = Path(str(value))
-    if path.is_dir():
-        path = path / "checkpoints" / "last.ckpt"
-    if not path.is_file():
-        raise ValueError(f"ckpt_path must be a checkpoint file or a run directory with checkpoints/last.ckpt: {value}")
     from components import check_checkpoint
+    from components.resume import DISTRIBUTED_METADATA
+
+    path = Path(str(value))
+    if path.is_dir() and not (path / DISTRIBUTED_METADATA).is_file():  # a run directory
+        path = path / "checkpoints" / "last.ckpt"
+    if not path.exists():
+        raise ValueError(
+            "ckpt_path must be a checkpoint file or a run directory with checkpoints/last.ckpt (a file, or under "
+            f"trainer=fsdp a distributed checkpoint's directory): {value}"
+        )
+    strategy = str(OmegaConf.select(cfg, "trainer.strategy._target_", default=""))
+    if path.is_dir() and not strategy.endswith("ModelParallelStrategy"):
+        raise ValueError(
+            f"ckpt_path {str(path)!r} is a distributed checkpoint (a directory of shards): resume it with trainer=fsdp"
+        )
 
     try:
         check_checkpoint(path, cfg.recipe.name, cfg.get("seed"))
@@ -171,12 +182,15 @@ def ignore_expected_warnings() -> None:
     """Expected, not actionable: Hydra's run directory already holds ``.hydra/`` when the CSV logger opens it;
     Lightning 2.6 calls a torch pytree API that torch 2.13 deprecates; and on a machine with more than three
     cores Lightning advises more DataLoader workers, while each recipe chooses its workers on purpose (the
-    digits are in memory, so workers would only add inter-process copies; ``pinned`` has ``data.num_workers``).
-    Set in the process that trains, which for a submitit launcher is a job that never runs this module's top
+    digits are in memory, so workers would only add inter-process copies; ``pinned`` has ``data.num_workers``); and
+    under ``trainer=fsdp``, ``torch.distributed.checkpoint`` announcing that it rewrites ``last.ckpt``. Set in the
+    process that trains, which for a submitit launcher is a job that never runs this module's top
     level."""
     warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     warnings.filterwarnings("ignore", message=r"The '\w+' does not have many workers which may be a bottleneck")
+    # Under trainer=fsdp, torch.distributed.checkpoint announces that it rewrites last.ckpt, which it does on purpose.
+    warnings.filterwarnings("ignore", message=r"Detected an existing checkpoint in .*, overwriting since")
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
@@ -192,7 +206,14 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         cause = err.__cause__ if isinstance(err, InstantiationException) and err.__cause__ else err
         print(f"error: {cause}", file=sys.stderr)
         sys.exit(2)
-    trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+    from components import CheckpointMismatch
+
+    try:
+        trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
+    except CheckpointMismatch as err:  # found only while restoring it: a sharded EMA spread otherwise than the model
+        if trainer.is_global_zero:
+            print(f"error: ckpt_path {ckpt_path!r} cannot resume this run: {err}", file=sys.stderr)
+        sys.exit(2)
     if trainer.is_global_zero:
         print(f"outputs: {cfg.paths.output_dir} (metrics.csv, checkpoints/, summary.json)")
     return {k: float(v) for k, v in trainer.callback_metrics.items()}

@@ -6,6 +6,7 @@ Every name is importable from ``components``.
 
 Probes (``components.probes``, usable on any PyTorch code):
     CopyAudit            every op that allocates storage or writes in place, with bytes
+    CollectiveProbe      the collectives a block issues on this rank (all-gather, reduce-scatter, ...), with bytes
     TensorEvent          one tensor an op touched, as ``CopyAudit`` records it: op, alloc or write, bytes, dtype, shape
     MemoryProbe          peak / net bytes of the storage a block creates, one ledger on every device
     find_graph_refs      paths of tensors that keep an autograd graph alive
@@ -16,7 +17,7 @@ Probes (``components.probes``, usable on any PyTorch code):
     GraphRetentionError  what ``GraphRetentionGuard`` raises
 
 Training parts:
-    EMA                  shadow weights averaged in place with one foreach call per group
+    EMA                  shadow weights averaged in place, one foreach call per group; sharded: per rank, no collective
     make_target          a frozen copy of a network (own storage, no grad, eval mode)
     hard_update          target <- online, in place, bit for bit, one foreach call per group
     soft_update          target <- (1 - tau) target + tau online, in place
@@ -32,6 +33,7 @@ Training parts:
     DataWaitMonitor      Lightning callback: samples per second and the share of time spent waiting for batches
     ResumeState          Lightning callback: every rank's RNG states, recipe and seed in checkpoints; exact resume
     check_checkpoint     raises ``ValueError`` unless a checkpoint was stamped with this recipe and seed
+    CheckpointMismatch   raised while restoring a checkpoint that does not fit the run (train.py: one line, exit 2)
     RunSummary           Lightning callback: writes ``summary.json`` (final metrics, recipe, seed)
 """
 
@@ -43,6 +45,7 @@ from components.ema_callback import EMACallback
 from components.freeze import frozen
 from components.grad_average import GradientAverager
 from components.prefetch import DevicePrefetcher, map_tensors
+from components.probes.collective_probe import CollectiveProbe
 from components.probes.copy_audit import CopyAudit, TensorEvent
 from components.probes.graph_guard import GraphRetentionError, GraphRetentionGuard
 from components.probes.graph_refs import find_graph_refs
@@ -50,13 +53,15 @@ from components.probes.memory_probe import MemoryProbe
 from components.probes.step_probe import StepProbe
 from components.probes.storage import shares_storage, storage_key
 from components.replay import ReplayBuffer
-from components.resume import ResumeState, check_checkpoint
+from components.resume import CheckpointMismatch, ResumeState, check_checkpoint
 from components.run_summary import RunSummary
 from components.target import hard_update, make_target, soft_update
 
 __all__ = [
     "EMA",
     "AtomicCheckpointIO",
+    "CheckpointMismatch",
+    "CollectiveProbe",
     "EMACallback",
     "CopyAudit",
     "DataWaitMonitor",

@@ -6,6 +6,12 @@ Parameters are kept as objects: ``model.to(...)`` changes their data in place an
 Buffers are kept as (owner module, name) and looked up on each call, because ``model.to(...)`` replaces
 buffer objects. So a list built once stays right after the model moves, at the cost of one dict lookup
 per buffer.
+
+A sharded parameter (FSDP2's ``DTensor``) is kept as the object too, and ``resolve()`` returns this rank's shard
+(``to_local()``, a view) taken on each call, about 1 µs a tensor. In torch 2.13 a shard keeps its storage across
+training steps, evaluation forwards and FSDP2's gathering and resharding, but a conversion gives it a new one while
+the Parameter object stays (``model.double().float()``: FSDP2 pads the converted shard again), and a view taken
+once would go on writing into the old storage (``tests/test_sharded.py`` checks both).
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+
+from components._sharding import is_sharded, local
 
 __all__ = ["TensorRefs", "state_entries"]
 
@@ -33,21 +41,28 @@ def state_entries(model: nn.Module, include_buffers: bool = True) -> Iterator[tu
 
 
 class TensorRefs:
-    """An ordered list of a module's tensors whose ``resolve()`` returns the current objects."""
+    """An ordered list of a module's tensors: ``tensors()`` returns the current objects, ``resolve()`` what a
+    foreach call writes (the same, or for sharded ones this rank's shards; call it under ``no_grad``)."""
 
     def __init__(self) -> None:
         self._tensors: list[torch.Tensor] = []
         self._buffers: list[tuple[int, nn.Module, str]] = []
+        self._sharded = False
 
     def append(self, tensor: torch.Tensor, owner: tuple[nn.Module, str] | None) -> None:
         if owner is not None:
             self._buffers.append((len(self._tensors), *owner))
+        self._sharded = self._sharded or is_sharded(tensor)
         self._tensors.append(tensor)
 
-    def resolve(self) -> list[torch.Tensor]:
+    def tensors(self) -> list[torch.Tensor]:
         if not self._buffers:
             return self._tensors
         tensors = list(self._tensors)
         for position, owner, name in self._buffers:
             tensors[position] = owner._buffers[name]
         return tensors
+
+    def resolve(self) -> list[torch.Tensor]:
+        tensors = self.tensors()
+        return [local(t) for t in tensors] if self._sharded else tensors

@@ -28,6 +28,28 @@ Copy contract:
   buffers cloned, gradients not), the average copied into it. The model and the shadow are only read, so no
   swap can escape into what is exported or saved from it.
 
+Sharded models (FSDP2: every parameter a ``DTensor``, each rank holding its shard; ``ema.sharded`` is True):
+
+* The shadow is per rank: each sharded parameter's shadow is a ``DTensor`` spread like it, whose local tensor
+  (``shadow[name].to_local()``) is a copy of this rank's shard and has its shape, so a rank keeps 1/N of the
+  shadow (buffers, which FSDP2 does not shard, are kept whole). Nothing is gathered to build it.
+* ``update`` runs its foreach calls on the local shards (``DTensor.to_local()``, a view, taken on each call): the
+  average of a shard is the shard of the average, so no collective is issued and nothing is allocated.
+  ``average_weights``, ``copy_to`` and ``load_state_dict`` swap and write shards the same way, with every
+  guarantee above. Before writing into the model they drop FSDP2's gathered parameters (``reshard()``, local), so
+  the next forward gathers the shards as they are now instead of using a gathered copy of the values before.
+* ``state_dict`` holds the shadow as ``DTensor``s (save it with ``torch.distributed.checkpoint``) and, under
+  ``layout``, how each one is spread. Buffers stay plain tensors, each rank's own, and a distributed checkpoint
+  keeps one copy of a plain tensor, as if every rank held the same: save them when they agree (``EMACallback``
+  makes them agree). ``load_state_dict`` takes ``DTensor``s or full plain tensors (each rank copies its own part;
+  nothing is sent), and refuses, naming both, a state spread otherwise than the model (another world size, another
+  placement, or unsharded): never resharded silently.
+* ``full_state_dict()`` gathers the average once, on request, into full plain CPU tensors: a plain module's
+  ``state_dict``. ``export()`` cannot deep-copy a sharded model (FSDP2 forbids it) and says so.
+* Mixed precision (``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``): FSDP2 keeps the sharded parameters in
+  float32 and casts only the gathered copies it computes with, so the shadow is a float32 average of the float32
+  sharded parameters, the weights the optimizer steps.
+
 Tensors are looked up once: parameters by object (stable across ``model.to(...)``), buffers by
 (module, name), because ``model.to(...)`` replaces buffer objects. Replacing a Parameter object after
 construction (``module.weight = nn.Parameter(...)``) needs a new ``EMA``.
@@ -46,6 +68,7 @@ from torch import nn
 
 from components._foreach_writes import foreach_copy_, foreach_lerp_
 from components._module_tensors import TensorRefs, state_entries
+from components._sharding import DTensor, is_sharded, layout, local, local_part, reshard
 
 __all__ = ["EMA"]
 
@@ -130,6 +153,12 @@ class EMA:
         self._slots: dict[str, tuple[int, int]] = {}  # name -> (group index, position in the group)
         self._groups: list[_Group] = []
         self._model = _unwrap(model)
+        self.sharded = any(is_sharded(p) for p in self._model.parameters())
+        if self.sharded and self.device is not None:
+            raise ValueError(
+                f"device={device!r} is not supported for a sharded (FSDP2) model: leave device=None, each rank's "
+                "shadow then lives beside its shards"
+            )
         self._swap: _Swap | None = None  # set while average_weights holds the average in the model
         self._build(self._model)
 
@@ -138,6 +167,7 @@ class EMA:
     def _build(self, model: nn.Module) -> None:
         first_name: dict[int, str] = {}
         groups: dict[tuple, _Group] = {}
+        reshard(model)  # the sharded parameters registered, not gathered copies
         with torch.no_grad():
             for name, live, owner in state_entries(model, self.include_buffers):
                 if id(live) in first_name:  # tied weights share one shadow
@@ -148,8 +178,13 @@ class EMA:
                 average = live.is_floating_point()
                 dtype = self._shadow_dtype_for(live.dtype) if average else live.dtype
                 device = self.device or live.device
-                shadow = live.detach().to(device=device, dtype=dtype, copy=True)
-                self._shadow[name] = shadow
+                shadow = local(live).to(device=device, dtype=dtype, copy=True)  # this rank's shard, when sharded
+                if is_sharded(live):
+                    self._shadow[name] = DTensor.from_local(
+                        shadow, live.device_mesh, live.placements, shape=live.shape, stride=live.stride()
+                    )
+                else:
+                    self._shadow[name] = shadow
                 key = (shadow.device, shadow.dtype, live.device, live.dtype, average)
                 if key not in groups:
                     groups[key] = _Group(average, live.device, live.dtype)
@@ -258,25 +293,52 @@ class EMA:
                     "EMA.copy_to(model) inside EMA.average_weights: the model holds the average already and gets its "
                     "live weights back when the block ends; call copy_to after the block to keep the average"
                 )
+            reshard(self._model)
             with torch.no_grad():
                 for group, lives in self._live_groups(model):
                     foreach_copy_(lives, group.shadows)
             return
+        reshard(model)
         targets = _unwrap(model).state_dict(keep_vars=True)
         for name, shadow in self.shadow.items():
             if name not in targets or targets[name].shape != shadow.shape:
                 found = tuple(targets[name].shape) if name in targets else "nothing"
                 raise ValueError(f"cannot copy the EMA into this model: {name!r} {tuple(shadow.shape)} vs {found}")
+            if layout(targets[name]) != layout(shadow):
+                raise ValueError(
+                    f"cannot copy the EMA into this model: {name!r} is {layout(shadow)} in the EMA, "
+                    f"{layout(targets[name])} in the model (for an unsharded model, load full_state_dict())"
+                )
         with torch.no_grad():
             for name, shadow in self.shadow.items():
-                targets[name].copy_(shadow)
+                local(targets[name]).copy_(local(shadow))
 
     def export(self) -> nn.Module:
         """A new module holding the average, for inference or ``torch.save(exported.state_dict(), ...)``: a deep
         copy of the (unwrapped) model, the average copied into it. The model and the shadow are only read."""
+        if self.sharded:
+            raise RuntimeError(
+                "EMA.export deep-copies the model, which FSDP2 forbids for a sharded one: load "
+                "ema.full_state_dict() (gathered once) into an unsharded instance of the model instead"
+            )
         exported = deepcopy(self._model)
         self.copy_to(exported)
         return exported
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The average as new, full, plain CPU tensors by ``state_dict`` name: an unsharded model's ``state_dict``.
+
+        A sharded average is gathered here, tensor by tensor (``DTensor.full_tensor()``: a collective, so every rank
+        calls it), so a device holds one full tensor at a time beyond its shards. Tied weights stay one tensor.
+        """
+        out: dict[str, torch.Tensor] = {}
+        made: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for name, tensor in self.shadow.items():
+                if id(tensor) not in made:
+                    made[id(tensor)] = tensor.full_tensor().cpu() if is_sharded(tensor) else tensor.to("cpu", copy=True)
+                out[name] = made[id(tensor)]
+        return out
 
     @contextmanager
     def average_weights(self, model: nn.Module | None = None) -> Iterator[nn.Module]:
@@ -298,8 +360,9 @@ class EMA:
             self._swap = None
 
     def _swap_in(self, model: nn.Module | None) -> _Swap:
-        pairs = self._live_groups(model)
+        reshard(self._model)
         with torch.no_grad():
+            pairs = self._live_groups(model)
             scratch = self._scratch(pairs)
             backups: dict[int, list[torch.Tensor]] = {}
             for i, (group, lives) in enumerate(pairs):
@@ -308,12 +371,15 @@ class EMA:
                     foreach_copy_(lives, group.shadows)
                 else:
                     _swap(lives, group.shadows, scratch)
-            holders = [group.shadows if group.staging else [live.detach() for live in lives] for group, lives in pairs]
-        average = {name: holders[g][i] for name, (g, i) in self._slots.items()}  # aliases, no copy
+            holders = [[t.detach() for t in group.live.tensors()] for group, _ in pairs]
+        average = {  # aliases, no copy: the model's own tensors, or the shadow's for a group backed up instead
+            name: self._shadow[name] if self._groups[g].staging else holders[g][i]
+            for name, (g, i) in self._slots.items()
+        }
         return _Swap(pairs, scratch, backups, average)
 
-    @staticmethod
-    def _swap_out(swap: _Swap) -> None:
+    def _swap_out(self, swap: _Swap) -> None:
+        reshard(self._model)
         with torch.no_grad():
             for i, (group, lives) in enumerate(swap.pairs):
                 if i in swap.backups:
@@ -333,13 +399,22 @@ class EMA:
 
     # -- checkpoints ----------------------------------------------------------------------------------
 
+    def layout(self) -> dict[str, str]:
+        """How each sharded tensor of the shadow is spread over the ranks (empty for an unsharded model)."""
+        return {name: layout(t) for name, t in self._shadow.items() if is_sharded(t)}
+
     def state_dict(self) -> dict[str, Any]:
         """Counters and the average (``shadow``'s tensors, aliased like ``Module.state_dict``: save it before the
-        next update, or inside the ``average_weights`` block it was taken in); loads with ``weights_only=True``."""
-        return {"decay": self.decay, "step": self.step, "num_updates": self.num_updates, "shadow": dict(self.shadow)}
+        next update, or inside the ``average_weights`` block it was taken in); loads with ``weights_only=True``.
+        Sharded: the tensors are ``DTensor``s, and ``layout`` says how each is spread."""
+        state = {"decay": self.decay, "step": self.step, "num_updates": self.num_updates, "shadow": dict(self.shadow)}
+        if self.sharded:
+            state["layout"] = self.layout()
+        return state
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Copy a saved average and counters in place (into ``shadow``'s tensors); names and shapes must match."""
+    def check_state(self, state: Mapping[str, Any]) -> None:
+        """Raise ``ValueError``, naming the tensor and both sides, unless ``state`` fits this EMA: the same names,
+        spread over the ranks as the model is (``layout``), and the same (full) shapes."""
         saved = state.get("shadow")
         if not isinstance(saved, Mapping):
             raise ValueError("EMA state must hold a 'shadow' mapping of tensor names to tensors")
@@ -347,15 +422,33 @@ class EMA:
         unexpected = sorted(set(saved) - set(self.shadow))
         if missing or unexpected:
             raise ValueError(f"EMA state does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        theirs, ours = state.get("layout") or {}, self.layout()
         for name, tensor in saved.items():
+            recorded, mine = theirs.get(name, layout(tensor)), ours.get(name, "not sharded")
+            for spread in (recorded, layout(tensor) if is_sharded(tensor) else recorded):
+                if spread != mine:
+                    raise ValueError(
+                        f"EMA state for {name!r} is {spread}, the model's is {mine}: a sharded average is restored "
+                        "only as it was saved (same world size and placements), never resharded"
+                    )
             if tuple(tensor.shape) != tuple(self.shadow[name].shape):
                 raise ValueError(
                     f"EMA state for {name!r} has shape {tuple(tensor.shape)}, the model's is "
                     f"{tuple(self.shadow[name].shape)}"
                 )
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Copy a saved average and counters in place (into ``shadow``'s tensors), after ``check_state``. A sharded
+        EMA takes ``DTensor``s or full tensors, of which each rank copies its own part (nothing is sent)."""
+        self.check_state(state)
+        if self._swap is not None:
+            reshard(self._model)  # the model holds the average: its next forward must gather what is loaded
         with torch.no_grad():
-            for name, tensor in saved.items():
-                self.shadow[name].copy_(tensor)
+            for name, tensor in state["shadow"].items():
+                target = self.shadow[name]
+                if is_sharded(target) and not is_sharded(tensor):
+                    tensor = local_part(tensor, target)
+                local(target).copy_(local(tensor))
         self.step = int(state.get("step", 0))
         self.num_updates = int(state.get("num_updates", 0))
 

@@ -25,11 +25,21 @@ bit for bit, through one scratch buffer the size of the largest tensor.
   BatchNorm statistics are not (each rank's forward updates its own; DDP copies rank 0's only at the next
   forward), so before each update the callback broadcasts rank 0's floating buffers, as DDP would: the
   shadows are then identical on every rank.
+* Sharded (FSDP2, Lightning's ``ModelParallelStrategy``): each rank keeps the shadow of its own shards (see
+  ``components.ema``), updated with no collective. FSDP2 shards parameters only: buffers stay whole on every rank
+  and nothing ever synchronises them, so the broadcast above runs here too (the live buffers then agree on every
+  rank, which is also what a distributed checkpoint keeps: one copy of a tensor that is not sharded). Checkpoints
+  hold the average in the form Lightning gives the weights: with a distributed checkpoint (a directory, the
+  default), the shadow's shards are written into it beside the weights' (each rank writes its own; the callback
+  state keeps the counters, the layout and each tensor's key there) and read back from it on resume; with
+  ``save_distributed_checkpoint=False`` (one file of full weights), the average is gathered into full tensors for
+  it, and each rank takes its own part back on resume. Either way a checkpoint spread otherwise than the model
+  (another world size or placement) is refused, naming both (``CheckpointMismatch``, a ``ValueError``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
@@ -40,7 +50,9 @@ import torch.distributed as dist
 from components._flat import flat_views
 from components._foreach_writes import foreach_copy_
 from components._module_tensors import TensorRefs, state_entries
+from components._sharding import is_sharded
 from components.ema import EMA
+from components.resume import CheckpointMismatch
 
 __all__ = ["EMACallback"]
 
@@ -88,6 +100,7 @@ class EMACallback(pl.Callback):
         self._last_step = 0
         self._wrapped: list[tuple[Any, str]] = []  # (object, attribute) that setup shadowed with a wrapper
         self._pass: _EMAPass | None = None  # the EMA evaluation in progress
+        self._trainer: pl.Trainer | None = None
         self._broadcast: list[tuple[TensorRefs, torch.Tensor, list[torch.Tensor]]] | None = None
 
     @property
@@ -98,13 +111,14 @@ class EMACallback(pl.Callback):
         if self.ema is None:
             self.ema = EMA(pl_module, **self._ema_kwargs)
             if self._pending is not None:
-                self.ema.load_state_dict(self._pending)
+                self._load(self.ema, self._pending)
                 self._pending = None
         return self.ema
 
     # -- wiring the evaluation passes -------------------------------------------------------------------
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._trainer = trainer
         if self.evaluate == "live":
             return
         for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop):
@@ -192,13 +206,53 @@ class EMACallback(pl.Callback):
             return {} if self._pending is None else {"ema": self._pending}
         return {"ema": self.ema.state_dict()}
 
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """A sharded average goes where Lightning puts the sharded weights: its shards into the distributed
+        checkpoint, each under a key the callback state names; or, for one file of full weights, gathered."""
+        state = checkpoint.get("callbacks", {}).get(self.state_key, {}).get("ema")
+        if self.ema is None or state is None or not self.ema.sharded:
+            return
+        weights = checkpoint["state_dict"]
+        if any(is_sharded(t) for t in weights.values()):  # a distributed checkpoint: every rank writes its shards
+            keys = {name: f"{self.state_key}/ema/shadow/{name}" for name in state["shadow"]}
+            weights.update({keys[name]: tensor for name, tensor in state["shadow"].items()})
+            state["shadow"] = keys
+        else:  # one file, written by rank 0 (the others' weights are empty here): every rank joins the gathers
+            state["shadow"] = self.ema.full_state_dict()
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "ema" not in state_dict:
             return
         if self.ema is None:
             self._pending = state_dict["ema"]
         else:
-            self.ema.load_state_dict(state_dict["ema"])
+            self._load(self.ema, state_dict["ema"])
+
+    def _load(self, ema: EMA, state: Mapping[str, Any]) -> None:
+        try:
+            shadow = state.get("shadow")
+            if isinstance(shadow, Mapping) and shadow and all(isinstance(key, str) for key in shadow.values()):
+                state = self._read_distributed_checkpoint(ema, state)
+            ema.load_state_dict(state)
+        except ValueError as err:
+            raise CheckpointMismatch(str(err)) from err
+
+    def _read_distributed_checkpoint(self, ema: EMA, state: Mapping[str, Any]) -> dict[str, Any]:
+        """The state with its shadow read from the distributed checkpoint being restored (every rank its shards),
+        after checking that it is spread as the model is: ``torch.distributed.checkpoint`` would reshard silently."""
+        from torch.distributed.checkpoint import load
+
+        path = self._trainer.ckpt_path if self._trainer is not None else None
+        if path is None:
+            raise ValueError("the EMA state names tensors in a distributed checkpoint, but no checkpoint is being read")
+        keys: Mapping[str, str] = state["shadow"]
+        holders = {name: torch.empty_like(ema.shadow[name]) if name in ema.shadow else None for name in keys}
+        read = {**state, "shadow": holders}
+        ema.check_state(read)
+        load({"state_dict": {keys[name]: holder for name, holder in holders.items()}}, checkpoint_id=path)
+        return read
 
 
 def _flat_buffers(module: torch.nn.Module) -> list[tuple[TensorRefs, torch.Tensor, list[torch.Tensor]]]:

@@ -18,7 +18,9 @@ the run it continues. This callback adds them, with the recipe name and seed the
   Each rank then takes its own entry. A rank the checkpoint has no entry for (resumed on more processes than
   it was written by) keeps its fresh states, with a warning that the resume is not bit-exact.
 * ``check_checkpoint(path, recipe, seed)`` reads the same stamp from a file (loaded memory-mapped,
-  ``weights_only=True``), so a wrong ``ckpt_path`` is refused before anything is built.
+  ``weights_only=True``), or from a distributed checkpoint's ``meta.pt`` (the directory Lightning's
+  ``ModelParallelStrategy`` writes: the shards through ``torch.distributed.checkpoint``, everything else in
+  ``meta.pt``), so a wrong ``ckpt_path`` is refused before anything is built.
 
 The rest of a run's state belongs to whoever owns it: the data module keeps its shuffle generator's state,
 a module its environment, replay buffer and generators of its own. Resumption is exact from checkpoints
@@ -40,7 +42,21 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 
-__all__ = ["ResumeState", "check_checkpoint", "get_rng_state", "set_rng_state"]
+__all__ = [
+    "DISTRIBUTED_METADATA",
+    "CheckpointMismatch",
+    "ResumeState",
+    "check_checkpoint",
+    "get_rng_state",
+    "set_rng_state",
+]
+
+DISTRIBUTED_METADATA = "meta.pt"  # Lightning's name for the non-tensor part of a distributed checkpoint directory
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint whose state does not fit the run restoring it (raised while Lightning restores it, on every rank;
+    ``train.py`` turns it into one line and exit status 2)."""
 
 
 def get_rng_state() -> dict[str, Any]:
@@ -75,7 +91,15 @@ def _check_owner(state: Mapping[str, Any], recipe: str, seed: int | None) -> Non
 
 
 def check_checkpoint(path: str | Path, recipe: str, seed: int | None) -> None:
-    """Raise ``ValueError`` unless ``path`` is a checkpoint that ``ResumeState`` stamped with this recipe and seed."""
+    """Raise ``ValueError`` unless ``path`` is a checkpoint that ``ResumeState`` stamped with this recipe and seed: a
+    file, or a distributed checkpoint directory (``meta.pt`` and ``torch.distributed.checkpoint``'s ``.metadata``)."""
+    path = Path(path)
+    if path.is_dir():
+        if not ((path / DISTRIBUTED_METADATA).is_file() and (path / ".metadata").is_file()):
+            raise ValueError(
+                f"it is a directory without {DISTRIBUTED_METADATA} and .metadata, not a distributed checkpoint"
+            )
+        path = path / DISTRIBUTED_METADATA
     if not zipfile.is_zipfile(path):
         raise ValueError("it is not a checkpoint: not the zip archive torch.save writes (truncated, or another format)")
     try:

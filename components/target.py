@@ -18,6 +18,19 @@ Copy contract:
 
 A parent module's ``.train()`` also switches the target to training mode; a recipe that holds the target
 as a submodule keeps it in eval mode (see ``recipes/dqn.py``).
+
+Sharded networks (FSDP2, parameters as ``DTensor``): FSDP2 forbids deep copies of a sharded module, so make the
+target before sharding and shard both networks alike (the same ``fully_shard`` calls on the same submodules):
+
+    target = make_target(online)
+    for network in (online, target):
+        shard(network)  # your fully_shard calls
+
+``hard_update`` and ``soft_update`` then check that each pair is spread alike (refusing, naming both layouts, a
+pair that is not) and run the same foreach calls on this rank's shards (``DTensor.to_local()``): every rank updates
+its own part, nothing is sent, no collective is issued. Before writing, they drop the target's gathered parameters
+(FSDP2 keeps the root's after a forward without backward, as a target's is), so its next forward gathers the new
+values instead of using the old gathered copy. ``make_target`` on a sharded module raises and says the above.
 """
 
 from __future__ import annotations
@@ -31,6 +44,7 @@ from torch import nn
 
 from components._foreach_writes import foreach_copy_, foreach_lerp_
 from components._module_tensors import TensorRefs, state_entries
+from components._sharding import FSDPModule, is_sharded, layout
 
 __all__ = ["hard_update", "make_target", "soft_update"]
 
@@ -39,6 +53,11 @@ def make_target(online: nn.Module) -> nn.Module:
     """A frozen deep copy of ``online``: own storage, ``requires_grad=False`` everywhere, eval mode."""
     if not isinstance(online, nn.Module):
         raise TypeError(f"online must be an nn.Module, got {type(online).__name__}")
+    if any(is_sharded(p) for p in online.parameters()):
+        raise ValueError(
+            "make_target: online is sharded (FSDP2 forbids deep copies of sharded modules): make the target before "
+            "fully_shard, then shard both networks alike"
+        )
     target = copy.deepcopy(online)
     target.requires_grad_(False)
     return target.eval()
@@ -46,8 +65,9 @@ def make_target(online: nn.Module) -> nn.Module:
 
 def hard_update(target: nn.Module, online: nn.Module) -> None:
     """Copy every parameter and buffer of ``online`` into ``target``, in place and bit for bit."""
+    groups = _pairs(target, online)
     with torch.no_grad():
-        for group in _pairs(target, online):
+        for group in groups:
             foreach_copy_(group.target.resolve(), group.online.resolve())
 
 
@@ -58,8 +78,9 @@ def soft_update(target: nn.Module, online: nn.Module, tau: float) -> None:
     """
     if not 0.0 < tau <= 1.0:
         raise ValueError(f"tau must be in (0, 1], got {tau}")
+    groups = _pairs(target, online)
     with torch.no_grad():
-        for group in _pairs(target, online):
+        for group in groups:
             if group.average and tau < 1.0:
                 foreach_lerp_(group.target.resolve(), group.online.resolve(), tau)
             else:
@@ -73,16 +94,22 @@ class _PairGroup:
     online: TensorRefs = field(default_factory=TensorRefs)
 
 
-_CACHE: weakref.WeakKeyDictionary[nn.Module, tuple[weakref.ref, list[_PairGroup]]] = weakref.WeakKeyDictionary()
+_Cached = tuple[weakref.ref, list[_PairGroup], list[nn.Module]]
+_CACHE: weakref.WeakKeyDictionary[nn.Module, _Cached] = weakref.WeakKeyDictionary()
 
 
 def _pairs(target: nn.Module, online: nn.Module) -> list[_PairGroup]:
+    """The pair's groups, built on the first call; the target's FSDP2 modules resharded (local), ready to write."""
     cached = _CACHE.get(target)
-    if cached is not None and cached[0]() is online:
-        return cached[1]
-    groups = _build(target, online)
-    _CACHE[target] = (weakref.ref(online), groups)
-    return groups
+    if cached is None or cached[0]() is not online:
+        sharded = [m for m in target.modules() if FSDPModule is not None and isinstance(m, FSDPModule)]
+        for m in sharded:
+            m.reshard()  # its sharded parameters registered, to build the lists from
+        cached = (weakref.ref(online), _build(target, online), sharded)
+        _CACHE[target] = cached
+    for m in cached[2]:
+        m.reshard()
+    return cached[1]
 
 
 def _build(target: nn.Module, online: nn.Module) -> list[_PairGroup]:
@@ -95,6 +122,11 @@ def _build(target: nn.Module, online: nn.Module) -> list[_PairGroup]:
             raise ValueError(
                 f"target and online differ at {t_name!r} / {o_name!r}: target {tuple(t.shape)} {t.dtype} "
                 f"on {t.device}, online {tuple(o.shape)} {o.dtype} on {o.device}"
+            )
+        if layout(t) != layout(o):
+            raise ValueError(
+                f"target and online are sharded differently at {t_name!r}: target {layout(t)}, online {layout(o)}; "
+                "shard both networks alike"
             )
     if len(targets) != len(onlines):
         longer, name = ("target", targets[len(onlines)][0]) if len(targets) > len(onlines) else (

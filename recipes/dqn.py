@@ -16,9 +16,9 @@ What it shows:
 One Lightning "batch" is one round: ``train_freq`` environment steps, then ``gradient_steps`` updates.
 Greedy evaluation (``eval_episodes`` episodes) every ``eval_every`` environment steps, after the updates of the
 round that reaches the mark (so the checkpoint taken then holds the evaluated policy), is logged as
-``eval/return``; the run directory gets ``return_curve.png``. DQN runs in one process (``trainer=ddp`` is
-refused): environment steps are sequential, and averaging gradients of ranks that explore differently
-would change the algorithm.
+``eval/return``; the run directory gets ``return_curve.png``. DQN runs in one process (``trainer=ddp`` and
+``trainer=fsdp`` are refused): environment steps are sequential, and averaging gradients of ranks that explore
+differently would change the algorithm.
 
 Checkpoints (after any round) resume bit for bit: besides the networks and Adam's state they hold the
 replay buffer, the counters, both generators' states, the curves, and the current episode as the
@@ -142,7 +142,7 @@ class CartPoleDQN(pl.LightningModule):
 
     def setup(self, stage: str) -> None:
         if self.trainer.world_size > 1:
-            raise ValueError("recipe dqn runs in one process: use trainer=default, cpu or gpu, not ddp")
+            raise ValueError("recipe dqn runs in one process: use trainer=default, cpu or gpu, not ddp or fsdp")
 
     def train_dataloader(self) -> DataLoader:
         rounds = math.ceil(self.hparams.total_env_steps / self.hparams.train_freq)

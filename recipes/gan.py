@@ -199,6 +199,13 @@ class DigitsGAN(pl.LightningModule):
             torch.optim.Adam(self.discriminator.parameters(), lr=self.hparams.lr, betas=betas, fused=True),
         ]
 
+    def setup(self, stage: str) -> None:
+        if self.device_mesh is not None:  # Lightning's ModelParallelStrategy (trainer=fsdp) gives the module a mesh
+            raise ValueError(
+                "recipe gan does not run sharded: it alternates two networks and averages their gradients itself, "
+                "and keeps its generator EMA from before any sharding; use trainer=default, cpu, gpu or ddp, not fsdp"
+            )
+
     def on_fit_start(self) -> None:
         if self.trainer.world_size > 1:
             self._g_grads = GradientAverager(self.generator.parameters())

@@ -14,6 +14,8 @@ What it shows:
   * ``GraphRetentionGuard`` (enabled in ``conf/recipe/metrics.yaml``) fails the run the first step any of
     this goes wrong, naming where the graph is held.
 
+Sharded (``trainer=fsdp``): ``configure_model`` shards the network with FSDP2; nothing else changes.
+
 Change first: the network in ``__init__`` and the metrics you need.
 """
 
@@ -23,6 +25,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassAUROC
 
@@ -55,6 +58,17 @@ class DigitsClassifier(pl.LightningModule):
         self.train_acc = MulticlassAccuracy(NUM_CLASSES, average="micro")
         self.val_acc = MulticlassAccuracy(NUM_CLASSES, average="micro")
         self.val_auroc = MulticlassAUROC(NUM_CLASSES, thresholds=None)
+
+    def configure_model(self) -> None:
+        """Under ``trainer=fsdp`` (a device mesh from Lightning's ``ModelParallelStrategy``): shard the network with
+        FSDP2, each Linear a unit of its own; every rank keeps 1/N of each weight. Otherwise: nothing."""
+        if self.device_mesh is None or isinstance(self.net, FSDPModule):  # not sharded, or sharded already
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)

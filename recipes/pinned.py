@@ -41,6 +41,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torchmetrics.classification import MulticlassAccuracy
 
@@ -336,6 +337,17 @@ class DigitsCNN(pl.LightningModule):
         )
         self.train_acc = MulticlassAccuracy(NUM_CLASSES, average="micro")
         self.val_acc = MulticlassAccuracy(NUM_CLASSES, average="micro")
+
+    def configure_model(self) -> None:
+        """Under ``trainer=fsdp`` (a device mesh from Lightning's ``ModelParallelStrategy``): shard the network with
+        FSDP2, each layer with weights a unit of its own; every rank keeps 1/N of each weight. Otherwise: nothing."""
+        if self.device_mesh is None or isinstance(self.net, FSDPModule):  # not sharded, or sharded already
+            return
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if isinstance(layer, (nn.Conv2d, nn.Linear)):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.net(images)

@@ -28,7 +28,7 @@ REFUSED = [
     ("misspelled key in a sweep", ["-m", "+recipe=ema", "seed=0,1", "model.hiden=8"], [
         "model.hiden is not a config key", "did you mean model.hidden?",
     ]),
-    ("unknown group option", ["+recipe=ema", "trainer=gpuu"], ["trainer must be one of: cpu, ddp, default, gpu"]),
+    ("unknown group option", ["+recipe=ema", "trainer=gpuu"], ["trainer must be one of: cpu, ddp, default, fsdp, gpu"]),
     ("decay out of range", ["+recipe=ema", "callbacks.ema.decay=1"], ["callbacks.ema.decay must be in [0, 1), got 1"]),
     ("empty split", ["+recipe=gan", "data.val_fraction=0.001"], [
         "data.val_fraction=0.001 leaves 2 validation and 1795 training digits", "must be in (0.005008, 0.9944]",

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
     ("bench_target.py", "target-cpu", "| components.hard_update |", "time / ours"),
     ("bench_gan.py", "gan-cpu", "| 64, 256 | ours: G once, detach, frozen D |", "time / ours"),
     ("bench_loading.py", "loading-cpu", "| DeviceDataLoader (cpu) |", "time / bare loader"),
+    ("bench_sharded.py", "sharded-cpu", "| components.EMA (sharded) | 2 |", "each rank alone (/ N=1)"),
 ])  # fmt: skip
 def test_benchmark_writes_its_section_and_keeps_the_others(
     script: str, key: str, first_row: str, ratio: str, tmp_path: Path

@@ -120,6 +120,22 @@ def test_another_runs_checkpoint_is_refused(recipe: str, seed: int, message: str
     ResumeState("alpha", 0).load_state_dict(state)
 
 
+def test_a_distributed_checkpoint_is_checked_by_its_meta_pt(tmp_path: Path) -> None:
+    """Lightning's ModelParallelStrategy writes a directory: the shards (torch.distributed.checkpoint's files and
+    ``.metadata``) and everything else, our stamp included, in ``meta.pt``."""
+    directory = tmp_path / "last.ckpt"
+    directory.mkdir()
+    torch.save({"callbacks": {"ResumeState": ResumeState("alpha", 0).state_dict()}}, directory / "meta.pt")
+    with pytest.raises(ValueError, match=r"a directory without meta\.pt and \.metadata, not a distributed checkpoint"):
+        check_checkpoint(directory, "alpha", 0)  # no .metadata: not written by torch.distributed.checkpoint
+    (directory / ".metadata").write_bytes(b"")
+    check_checkpoint(directory, "alpha", 0)
+    with pytest.raises(ValueError, match="seed=0, not seed=3"):
+        check_checkpoint(directory, "alpha", 3)
+    with pytest.raises(ValueError, match=r"a directory without meta\.pt"):
+        check_checkpoint(tmp_path, "alpha", 0)  # the control: any other directory
+
+
 def test_files_that_are_not_our_checkpoints_are_refused(tmp_path: Path) -> None:
     (tmp_path / "text.ckpt").write_text("not a checkpoint")
     torch.save({"state_dict": {}}, tmp_path / "plain.ckpt")

@@ -2,6 +2,7 @@
 copy contracts in the tests and work on any PyTorch code; no training part imports them.
 
     CopyAudit            every op that allocates storage or writes in place, with bytes
+    CollectiveProbe      the collectives a block issues on this rank (all-gather, reduce-scatter, ...), with bytes
     TensorEvent          one tensor an op touched, as ``CopyAudit`` records it: op, alloc or write, bytes, dtype, shape
     MemoryProbe          peak / net bytes of the storage a block creates, one ledger on every device
     find_graph_refs      paths of tensors that keep an autograd graph alive
@@ -12,6 +13,7 @@ copy contracts in the tests and work on any PyTorch code; no training part impor
     GraphRetentionError  what ``GraphRetentionGuard`` raises
 """
 
+from components.probes.collective_probe import CollectiveProbe
 from components.probes.copy_audit import CopyAudit, TensorEvent
 from components.probes.graph_guard import GraphRetentionError, GraphRetentionGuard
 from components.probes.graph_refs import find_graph_refs
@@ -20,6 +22,7 @@ from components.probes.step_probe import StepProbe
 from components.probes.storage import shares_storage, storage_key
 
 __all__ = [
+    "CollectiveProbe",
     "CopyAudit",
     "GraphRetentionError",
     "GraphRetentionGuard",

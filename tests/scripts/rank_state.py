@@ -4,7 +4,8 @@ Saved to ``DIRPATH/rank{R}.pt`` (tensors only, loads with ``weights_only=True``)
 the EMA shadow (``EMACallback``) or the GAN's generator EMA when present, the logged metrics, the global
 RNG state, and, for a
 classifier, this rank's own count of validation samples, correct predictions and summed loss, computed
-after fit on the validation shard this rank was given.
+after fit on the validation shard this rank was given. Sharded tensors (``trainer=fsdp``) are saved gathered (every
+rank joins the all-gathers), and the EMA's local shards beside them as ``ema_local``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from components import EMACallback
+from components._sharding import is_sharded
 
 
 class SaveRankState(pl.Callback):
@@ -24,14 +26,15 @@ class SaveRankState(pl.Callback):
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         state: dict[str, object] = {
-            "model": {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()},
+            "model": {k: _full(v).detach().cpu().clone() for k, v in pl_module.state_dict().items()},
             "metrics": {k: v.detach().cpu().clone() for k, v in trainer.callback_metrics.items()},
             "rng": torch.get_rng_state(),
         }
         ema = next((c.ema for c in trainer.callbacks if isinstance(c, EMACallback)), None)
         ema = ema or getattr(pl_module, "g_ema", None)
         if ema is not None:
-            state["ema"] = {k: v.cpu().clone() for k, v in ema.shadow.items()}
+            state["ema"] = {k: _full(v).cpu().clone() for k, v in ema.shadow.items()}
+            state["ema_local"] = {k: v.to_local().cpu().clone() for k, v in ema.shadow.items() if is_sharded(v)}
         if "val/acc" in trainer.callback_metrics:
             state["local"] = self._local_validation(trainer, pl_module)
         self.dirpath.mkdir(parents=True, exist_ok=True)
@@ -52,3 +55,7 @@ class SaveRankState(pl.Callback):
             correct += int((logits.argmax(dim=1) == y.to(logits.device)).sum())
             loss += float(F.cross_entropy(logits, y.to(logits.device), reduction="sum"))
         return torch.tensor([seen, correct, loss], dtype=torch.float64)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if is_sharded(t) else t

@@ -1,0 +1,62 @@
+"""Sharded (FSDP2, ``DTensor``) tensors as this rank's shard: what the foreach writers work on.
+
+Copy contract: ``local`` and ``layout`` copy nothing (``local`` is ``DTensor.to_local()``, a plain tensor view of
+the rank's shard; call it under ``no_grad``, where the view of a parameter can be written in place); ``reshard``
+frees memory and copies nothing; ``local_part`` returns a view or a new tensor of this rank's part of a full
+tensor, taken locally (no collective).
+
+Why ``reshard`` exists: FSDP2 keeps a module's parameters gathered ("unsharded") after a forward it does not
+follow with a backward (the root module after any evaluation forward, every module with
+``reshard_after_forward=False``), and its next forward uses that gathered copy as it is. A write into the shards
+meanwhile (swapping in an average, updating a target network) would then not be seen. ``reshard(module)`` drops
+the gathered copies, so the next forward gathers the shards as they are now. It is local: no collective.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["DTensor", "is_sharded", "layout", "local", "local_part", "reshard"]
+
+try:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor, distribute_tensor
+except ImportError:  # a build without torch.distributed: nothing can be sharded
+    DTensor = FSDPModule = None  # type: ignore[assignment,misc]
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a ``DTensor`` (a sharded or replicated tensor spread over a device mesh)."""
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t`` as a plain tensor (``to_local()``, a view), or ``t`` itself when it is plain."""
+    return t.to_local() if is_sharded(t) else t
+
+
+def layout(t: torch.Tensor) -> str:
+    """How ``t`` is spread: ``"Shard(dim=0) over a mesh of 2 ranks"``, or ``"not sharded"``."""
+    if not is_sharded(t):
+        return "not sharded"
+    mesh = t.device_mesh
+    ranks = "x".join(str(n) for n in mesh.shape)
+    placements = ", ".join(repr(p) for p in t.placements)
+    return f"{placements} over a mesh of {ranks} rank{'s' if mesh.size() > 1 else ''}"
+
+
+def local_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """This rank's part of the full tensor ``full``, spread as ``like`` (a ``DTensor`` of ``full``'s shape) is;
+    each rank takes its own part of the ``full`` it holds, so nothing is sent."""
+    part = distribute_tensor(full.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+    return part.to_local()
+
+
+def reshard(module: nn.Module) -> None:
+    """Drop the gathered parameters of every FSDP2 module in ``module`` (local; see the module docstring)."""
+    if FSDPModule is None:
+        return
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
