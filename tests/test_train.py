@@ -143,6 +143,11 @@ def test_float32_matmul_precision_comes_from_the_config(tmp_path: Path) -> None:
         assert torch.get_float32_matmul_precision() == "high"
         train.build(compose_config("+recipe=metrics", "float32_matmul_precision=highest", output_dir=tmp_path))
         assert torch.get_float32_matmul_precision() == "highest"
+        a, b = torch.randn(256, 256, generator=torch.Generator().manual_seed(0)).chunk(2)
+        full = a @ b.T
+        torch.set_float32_matmul_precision("high")
+        assert torch.equal(a @ b.T, full)  # "high" leaves CPU matmuls in full float32, as the config says
+        assert not torch.equal((a.double() @ b.T.double()).float(), full)  # the control: rounding shows
     finally:
         torch.set_float32_matmul_precision(before)
 
