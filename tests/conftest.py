@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -61,6 +62,24 @@ def child_env(**extra: str) -> dict[str, str]:
     machine may provide packages there (the GPU check installs hydra-core and gymnasium into a directory on it)."""
     kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *kept]), **extra}
+
+
+def free_port() -> str:
+    """A TCP port nobody listens on now: each multi-process test gets a rendezvous of its own."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def run_rank_script(script: str, out: Path, timeout: int = 300) -> list[dict]:
+    """``python tests/scripts/SCRIPT OUT`` with a port of its own (``TEST_PORT``); what each rank saved as
+    ``OUT/rank{r}.pt``, in rank order."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "scripts" / script), str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=child_env(TEST_PORT=free_port()),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [torch.load(path, weights_only=True) for path in sorted(out.glob("rank*.pt"))]
 
 
 def run_train(*args: str, timeout: int = 900) -> subprocess.CompletedProcess[str]:

@@ -18,9 +18,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import train
 from components import AtomicCheckpointIO
-from tests.conftest import QUIET, ROOT, child_env, compose_config, warning_lines
+from tests.conftest import QUIET, ROOT, child_env, compose_config, free_port, warning_lines
 from tests.test_ddp import RANK_LOCAL, SHORT, assert_same_tensors
-from tests.test_grad_average import _free_port
 from tests.test_resume_recipes import differences
 
 FSDP = ["trainer=fsdp", "trainer.accelerator=cpu"]  # 2 gloo processes: CPU-only by nature, like trainer=ddp's tests
@@ -40,7 +39,7 @@ def command(recipe: str, cwd: Path, *extra: str) -> list[str]:
 
 def run_fsdp(recipe: str, cwd: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], dict, dict]:
     """Train ``recipe`` sharded over 2 gloo processes from ``cwd``; what each rank ended with."""
-    env = child_env(PYTHONUNBUFFERED="1", MASTER_PORT=_free_port())
+    env = child_env(PYTHONUNBUFFERED="1", MASTER_PORT=free_port())
     result = subprocess.run(command(recipe, cwd, *extra), cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     load = lambda rank: torch.load(cwd / "ranks" / f"rank{rank}.pt", weights_only=True)  # noqa: E731
@@ -108,7 +107,7 @@ def test_the_other_classifiers_run_sharded(recipe: str, tmp_path: Path) -> None:
 def test_recipes_that_cannot_run_sharded_say_so(recipe: str, message: str, tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), f"+recipe={recipe}", *FSDP, *QUIET, f"hydra.run.dir={tmp_path}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env(MASTER_PORT=_free_port()),
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env(MASTER_PORT=free_port()),
     )  # fmt: skip
     assert result.returncode != 0
     assert message in result.stderr
@@ -122,7 +121,7 @@ def test_a_checkpoint_of_another_world_size_is_refused_with_one_line(
     result = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), "+recipe=ema", *FSDP, *QUIET, "trainer.devices=1",
          f"ckpt_path={run}", f"hydra.run.dir={tmp_path / 'one'}"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env(MASTER_PORT=_free_port()),
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env(MASTER_PORT=free_port()),
     )  # fmt: skip
     assert result.returncode == 2, result.stderr[-3000:]
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("error:")]
@@ -193,7 +192,7 @@ def test_a_killed_sharded_run_resumed_from_its_directory_ends_bit_for_bit_as_the
     def run(name: str, *extra: str) -> Path:
         result = subprocess.run(
             [sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={tmp_path / name}", *extra],
-            cwd=ROOT, capture_output=True, text=True, timeout=600, env=child_env(MASTER_PORT=_free_port()),
+            cwd=ROOT, capture_output=True, text=True, timeout=600, env=child_env(MASTER_PORT=free_port()),
         )  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
         return tmp_path / name / "checkpoints" / "last.ckpt"
@@ -202,7 +201,7 @@ def test_a_killed_sharded_run_resumed_from_its_directory_ends_bit_for_bit_as_the
     with open(tmp_path / "killed.log", "w") as log:
         process = subprocess.Popen(
             [sys.executable, str(ROOT / "train.py"), *args, f"hydra.run.dir={killed}"], cwd=ROOT, stdout=log,
-            stderr=log, env=child_env(MASTER_PORT=_free_port()), start_new_session=True,
+            stderr=log, env=child_env(MASTER_PORT=free_port()), start_new_session=True,
         )  # fmt: skip
         while process.poll() is None and not (killed / "checkpoints" / "last.ckpt" / "meta.pt").exists():
             time.sleep(0.005)

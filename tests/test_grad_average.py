@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,22 +9,11 @@ import torch
 from torch import nn
 
 from components import GradientAverager
-from tests.conftest import ROOT
+from tests.conftest import run_rank_script
 
 
-def _free_port() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
-def _run(out: Path) -> tuple[dict, dict]:
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "scripts" / "grad_average.py"), str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "TEST_PORT": _free_port()},
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    return (torch.load(out / f"rank{r}.pt", weights_only=True) for r in (0, 1))  # type: ignore[return-value]
+def _run(out: Path) -> list[dict]:
+    return run_rank_script("grad_average.py", out)
 
 
 def test_two_processes_end_with_the_same_mean_gradient_in_place(tmp_path: Path) -> None:

@@ -13,8 +13,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import CUDA, ROOT, child_env
-from tests.test_grad_average import _free_port
+from tests.conftest import CUDA, ROOT, child_env, free_port, run_rank_script
 
 WORLD = 2
 FULL_PARAMETER_BYTES = 4 * (33 * 16 + 33 + 33 + 33 + 5 * 33 + 5 + 5 + 1)  # network(): Linear, BatchNorm, Linear, Linear
@@ -23,13 +22,9 @@ BUFFERS = ("1.running_mean", "1.running_var", "1.num_batches_tracked")
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    out = tmp_path_factory.mktemp("sharded")
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "scripts" / "sharded.py"), str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env(TEST_PORT=_free_port()),
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
+    ranks = run_rank_script("sharded.py", tmp_path_factory.mktemp("sharded"))
+    assert len(ranks) == WORLD
+    return ranks
 
 
 def same(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> bool:
@@ -186,7 +181,7 @@ def test_mixed_precision_keeps_a_float32_average_of_the_float32_sharded_paramete
 def test_on_a_gpu_the_sharded_update_syncs_nothing_sends_nothing_and_equals_the_unsharded_one(tmp_path) -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "scripts" / "sharded_cuda.py"), str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env(TEST_PORT=_free_port()),
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env(TEST_PORT=free_port()),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]  # a host sync inside the update raises there
     saved = torch.load(tmp_path / "cuda.pt", weights_only=True)

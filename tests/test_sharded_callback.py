@@ -5,16 +5,13 @@ bit. Controls: a resume without the EMA state (a fresh average), and saving insi
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from tests.conftest import ROOT, child_env
-from tests.test_grad_average import _free_port
+from tests.conftest import run_rank_script
 
 KEY = "EMACallback{'decay': 0.9}"
 
@@ -22,12 +19,7 @@ KEY = "EMACallback{'decay': 0.9}"
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict], dict]:
     out = tmp_path_factory.mktemp("sharded_callback")
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "scripts" / "sharded_callback.py"), str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env=child_env(TEST_PORT=_free_port()),
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [torch.load(out / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
+    ranks = run_rank_script("sharded_callback.py", out, timeout=600)
     return out, ranks, torch.load(out / "truth.pt", weights_only=True)
 
 
