@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["DTensor", "is_sharded", "layout", "local", "local_part", "reshard"]
+__all__ = ["DTensor", "fsdp_modules", "is_sharded", "layout", "local", "local_part", "reshard"]
 
 try:
     from torch.distributed.fsdp import FSDPModule
@@ -53,10 +53,13 @@ def local_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return part.to_local()
 
 
-def reshard(module: nn.Module) -> None:
-    """Drop the gathered parameters of every FSDP2 module in ``module`` (local; see the module docstring)."""
-    if FSDPModule is None:
-        return
-    for m in module.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
+def fsdp_modules(module: nn.Module) -> list[nn.Module]:
+    """The FSDP2 modules in ``module`` (itself included): what ``reshard`` drops the gathered parameters of."""
+    return [] if FSDPModule is None else [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def reshard(module: nn.Module | list[nn.Module]) -> None:
+    """Drop the gathered parameters of every FSDP2 module in ``module`` (or in a list from ``fsdp_modules``, which
+    a caller on a hot path builds once); local, see the module docstring."""
+    for m in fsdp_modules(module) if isinstance(module, nn.Module) else module:
+        m.reshard()

@@ -44,7 +44,7 @@ from torch import nn
 
 from components._foreach_writes import foreach_copy_, foreach_lerp_
 from components._module_tensors import TensorRefs, state_entries
-from components._sharding import FSDPModule, is_sharded, layout
+from components._sharding import fsdp_modules, is_sharded, layout, reshard
 
 __all__ = ["hard_update", "make_target", "soft_update"]
 
@@ -102,13 +102,11 @@ def _pairs(target: nn.Module, online: nn.Module) -> list[_PairGroup]:
     """The pair's groups, built on the first call; the target's FSDP2 modules resharded (local), ready to write."""
     cached = _CACHE.get(target)
     if cached is None or cached[0]() is not online:
-        sharded = [m for m in target.modules() if FSDPModule is not None and isinstance(m, FSDPModule)]
-        for m in sharded:
-            m.reshard()  # its sharded parameters registered, to build the lists from
+        sharded = fsdp_modules(target)  # found once: the updates run every step
+        reshard(sharded)  # its sharded parameters registered, to build the lists from
         cached = (weakref.ref(online), _build(target, online), sharded)
         _CACHE[target] = cached
-    for m in cached[2]:
-        m.reshard()
+    reshard(cached[2])
     return cached[1]
 
 
