@@ -29,6 +29,7 @@ Training parts:
     DeviceDataLoader     a DataLoader whose iterator is a DevicePrefetcher (DDP samplers still injected)
     make_loader          a loader that pins only for an accelerator, with or without the prefetcher
     AtomicCheckpointIO   Lightning plugin: checkpoints streamed to a file beside the target and renamed over it
+    AtomicModelParallelStrategy  Lightning's FSDP2 strategy, its checkpoint directories written beside and swapped in
     EMACallback          Lightning callback: an EMA of the module, updated per optimizer step, evaluated, checkpointed
     DataWaitMonitor      Lightning callback: samples per second and the share of time spent waiting for batches
     ResumeState          Lightning callback: every rank's RNG states, recipe and seed in checkpoints; exact resume
@@ -38,6 +39,7 @@ Training parts:
 """
 
 from components.atomic_checkpoint import AtomicCheckpointIO
+from components.atomic_sharded_checkpoint import AtomicModelParallelStrategy
 from components.data_wait import DataWaitMonitor
 from components.device_loader import DeviceDataLoader, make_loader
 from components.ema import EMA
@@ -60,6 +62,7 @@ from components.target import hard_update, make_target, soft_update
 __all__ = [
     "EMA",
     "AtomicCheckpointIO",
+    "AtomicModelParallelStrategy",
     "CheckpointMismatch",
     "CollectiveProbe",
     "EMACallback",

@@ -17,7 +17,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import train
-from components import AtomicCheckpointIO
+from components import AtomicCheckpointIO, AtomicModelParallelStrategy, atomic_sharded_checkpoint
 from tests.conftest import QUIET, ROOT, child_env, compose_config, free_port, warning_lines
 from tests.test_ddp import RANK_LOCAL, SHORT, assert_same_tensors
 from tests.test_resume_recipes import differences
@@ -148,26 +148,35 @@ def test_a_distributed_checkpoint_is_refused_under_another_trainer(
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")  # one process here
-def test_one_file_checkpoints_go_through_atomic_checkpoint_io_and_directories_do_not(
+def test_one_file_checkpoints_go_through_atomic_checkpoint_io_and_directories_are_swapped_in(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """What ModelParallelStrategy does with the trainer's CheckpointIO plugin, in this process (rank 0, no group)."""
+    """What trainer=fsdp's strategy does with the trainer's CheckpointIO plugin, in this process (rank 0, no group):
+    a file goes through the plugin; a directory is written beside its target and put in its place
+    (``tests/test_atomic_sharded_checkpoint.py`` kills it midway)."""
     written: list[Path] = []
     monkeypatch.setattr(
         AtomicCheckpointIO, "save_checkpoint", lambda self, checkpoint, path, **kwargs: written.append(path)
     )
+    swapped: list[tuple[str, str]] = []
+    put_in_place = atomic_sharded_checkpoint.put_in_place
+    monkeypatch.setattr(
+        atomic_sharded_checkpoint, "put_in_place", lambda new, target: (swapped.append((new.name, target.name)),
+                                                                        put_in_place(new, target)),
+    )  # fmt: skip
     for one_file in (True, False):
         overrides = ("+recipe=ema", *FSDP, f"trainer.strategy.save_distributed_checkpoint={str(not one_file).lower()}")
         trainer, _, _ = train.build(compose_config(*overrides, output_dir=tmp_path))
+        assert isinstance(trainer.strategy, AtomicModelParallelStrategy)
         assert isinstance(trainer.strategy.checkpoint_io, AtomicCheckpointIO)
         path = tmp_path / f"{'file' if one_file else 'directory'}.ckpt"
         trainer.strategy.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "epoch": 0}, path)
         if one_file:
-            assert written == [path]
+            assert written == [path] and swapped == []
         else:  # torch.distributed.checkpoint's files and torch.save's meta.pt, not the plugin
-            assert (
-                written == [tmp_path / "file.ckpt"] and (path / ".metadata").is_file() and (path / "meta.pt").is_file()
-            )
+            assert written == [tmp_path / "file.ckpt"]
+            assert swapped == [(f".directory.ckpt.tmp-{os.getpid()}", "directory.ckpt")]
+            assert sorted(p.name for p in path.iterdir()) == [".metadata", "__0_0.distcp", "meta.pt"]
 
 
 def read(path: Path, scratch: Path) -> dict:
