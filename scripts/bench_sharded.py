@@ -12,15 +12,18 @@ the root sharded with FSDP2's ``fully_shard`` over the ranks (``Shard(0)``). Con
   full parameters on every update. It keeps a full shadow on every rank, and every update gathers every full
   parameter (``DTensor.full_tensor()``, an all-gather each) and averages it into the shadow. It is also the control
   of ``tests/test_sharded.py``.
+* ``BareLerp`` (below): the floor, the arithmetic of a sharded update alone (one ``torch._foreach_lerp_`` of the
+  local shards into copies of them). Ours against it is what our bookkeeping costs; the bare lerp at N against N=1
+  is how far this machine lets any sharded update fall with N.
 
 Measured per rank, in the same processes, one thread each: the shadow's bytes (``MemoryProbe`` around the EMA's
 construction) and their ratio to the full shadow's bytes / N; the collectives one update issues and the bytes they
 carry (``CollectiveProbe``); the most memory an update creates (``MemoryProbe`` peak); and the update time, the
 median over interleaved rounds, twice: with all ranks starting together after a barrier, as in training, and (ours
-only: a gather needs every rank) with the ranks taking turns, each alone on the machine, as each would be on a
-device of its own. Tables give the largest (slowest) rank's figure, and for time its ratio to world size 1 of the
-same contender; 1/N is the ideal. Ranks running together share the machine's memory bandwidth, and at world size 4
-on a machine with fewer than 4 cores its cores too.
+and the bare lerp: a gather needs every rank) with the ranks taking turns, each alone on the machine, as each would
+be on a device of its own. Tables give the largest (slowest) rank's figure, and for time its ratio to world size 1
+of the same contender; 1/N is the ideal. Ranks running together share the machine's memory bandwidth, and at world
+size 4 on a machine with fewer than 4 cores its cores too.
 """
 
 from __future__ import annotations
@@ -45,13 +48,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from components import EMA, CollectiveProbe, MemoryProbe  # noqa: E402
-from components._sharding import is_sharded  # noqa: E402
+from components._sharding import is_sharded, local  # noqa: E402
 from scripts.bench_ema import Block, transformer_model  # noqa: E402
 from scripts.bench_report import command_line, parse_args, write_section  # noqa: E402
 
 DECAY = 0.999
 OURS = "components.EMA (sharded)"
+BARE = "bare foreach lerp of the local shards"
 GATHERED = "GatheredEMA (gathers per update)"
+ALONE = (OURS, BARE)  # the contenders each rank can run without the others
 
 
 class GatheredEMA:
@@ -67,6 +72,21 @@ class GatheredEMA:
     def update(self) -> None:
         with torch.no_grad():
             torch._foreach_lerp_(self.shadow, [_full(p) for p in self.params], 1.0 - self.decay)
+
+
+class BareLerp:
+    """The floor: the arithmetic of a sharded update and nothing else, one ``torch._foreach_lerp_`` of this rank's
+    shards (``to_local()``) into copies of them; no grouping, no checks, no version bookkeeping, no buffers."""
+
+    def __init__(self, model: nn.Module, decay: float) -> None:
+        self.decay = decay
+        self.params = list(model.parameters())
+        with torch.no_grad():
+            self.shadow = [local(p).clone() for p in self.params]
+
+    def update(self) -> None:
+        with torch.no_grad():
+            torch._foreach_lerp_(self.shadow, [local(p) for p in self.params], 1.0 - self.decay)
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
@@ -94,10 +114,10 @@ def timed(fns: dict[str, Callable[[], object]], budget_s: float) -> dict[str, fl
     """Milliseconds per call on this rank: the median over interleaved rounds (at least 3, then until the budget is
     spent; every rank stops after the same round). ``"together"``: all ranks start each contender at once, after a
     barrier, as in training; ``"alone"``: the ranks take turns while the others wait, so none shares the machine's
-    cores and memory bandwidth with another (as on a device of its own); for ``OURS`` only, the others need every
-    rank at once."""
+    cores and memory bandwidth with another (as on a device of its own); for the local contenders only (``ALONE``),
+    the gather needs every rank at once."""
     samples: dict[str, list[float]] = {f"{name} together": [] for name in fns}
-    samples[f"{OURS} alone"] = []
+    samples.update({f"{name} alone": [] for name in ALONE})
     for fn in fns.values():  # warm up
         fn()
     began = time.perf_counter()
@@ -110,9 +130,10 @@ def timed(fns: dict[str, Callable[[], object]], budget_s: float) -> dict[str, fl
         for turn in range(dist.get_world_size()):
             dist.barrier()
             if turn == dist.get_rank():
-                start = time.perf_counter()
-                fns[OURS]()
-                samples[f"{OURS} alone"].append((time.perf_counter() - start) * 1e3)
+                for name in ALONE:
+                    start = time.perf_counter()
+                    fns[name]()
+                    samples[f"{name} alone"].append((time.perf_counter() - start) * 1e3)
         rounds = len(samples[f"{OURS} alone"])
         done = torch.tensor(float(rounds >= 3 and time.perf_counter() - began >= budget_s))
         dist.all_reduce(done, op=dist.ReduceOp.MAX)
@@ -130,9 +151,16 @@ def rank_main(rank: int, world: int, port: str, quick: bool, budget_s: float, ou
         ema = EMA(model, decay=DECAY)
     shadow = {OURS: probe.net_bytes}
     with MemoryProbe("cpu") as probe:
+        bare = BareLerp(model, decay=DECAY)
+    shadow[BARE] = probe.net_bytes
+    with MemoryProbe("cpu") as probe:
         gathered = GatheredEMA(model, decay=DECAY)
     shadow[GATHERED] = probe.net_bytes
-    updates: dict[str, Callable[[], object]] = {OURS: lambda: ema.update(model), GATHERED: gathered.update}
+    updates: dict[str, Callable[[], object]] = {
+        OURS: lambda: ema.update(model),
+        BARE: bare.update,
+        GATHERED: gathered.update,
+    }
     result: dict[str, Any] = {"full_bytes": full_bytes, "tensors": len(list(model.parameters()))}
     for name, update in updates.items():
         with CollectiveProbe() as collectives, MemoryProbe("cpu") as memory:
@@ -168,7 +196,7 @@ def table(results: dict[int, list[dict[str, Any]]]) -> str:
     def ms(world: int, key: str) -> float:
         return max(rank["ms"][key] for rank in results[world])
 
-    for name in (OURS, GATHERED):
+    for name in (OURS, BARE, GATHERED):
         for world, ranks in results.items():
             figures = [rank[name] for rank in ranks]
             shadow = max(f["shadow_bytes"] for f in figures)
@@ -176,13 +204,20 @@ def table(results: dict[int, list[dict[str, Any]]]) -> str:
                 f"{ms(world, f'{name} together'):.2f} ({ms(world, f'{name} together') / ms(1, f'{name} together'):.2f})"
             )
             alone = "n/a: a gather needs every rank"
-            if name == OURS:
+            if name in ALONE:
                 alone = f"{ms(world, f'{name} alone'):.2f} ({ms(world, f'{name} alone') / ms(1, f'{name} alone'):.2f})"
             lines.append(
                 f"| {name} | {world} | {shadow / 1e6:.1f} | {shadow / (first['full_bytes'] / world):.3f} "
                 f"| {max(f['collectives'] for f in figures)} | {max(f['collective_bytes'] for f in figures) / 1e6:.1f} "
                 f"| {max(f['update_peak_bytes'] for f in figures) / 1e6:.1f} | {together} | {alone} |"
             )
+    overhead = ", ".join(
+        f"N={world}: {ms(world, f'{OURS} alone') / ms(world, f'{BARE} alone'):.2f}" for world in results
+    )
+    lines += [
+        "",
+        f"Ours alone against the bare lerp of the same shards alone (1.00: no cost beyond the arithmetic): {overhead}.",
+    ]
     return "\n".join(lines)
 
 
