@@ -4,7 +4,8 @@ Copy contract:
 
 * ``make_target(online)`` deep-copies once: every parameter and buffer gets storage of its own,
   ``requires_grad=False`` (so no optimizer built from ``parameters()`` with a ``requires_grad`` filter, and
-  no backward, can touch it), eval mode.
+  no backward, can touch it), eval mode. ``make_target(online, into=net)`` gives ``net`` the same: its own storage,
+  written in place by ``hard_update``, then frozen.
 * ``hard_update(target, online)`` and ``soft_update(target, online, tau)`` write into the target's existing
   storage under ``no_grad`` whatever the caller's grad mode: one ``torch._foreach_copy_`` /
   ``torch._foreach_lerp_`` per (device, dtype) group over tensor lists built once per (target, online)
@@ -30,7 +31,9 @@ target before sharding and shard both networks alike (the same ``fully_shard`` c
 pair that is not) and run the same foreach calls on this rank's shards (``DTensor.to_local()``): every rank updates
 its own part, nothing is sent, no collective is issued. Before writing, they drop the target's gathered parameters
 (FSDP2 keeps the root's after a forward without backward, as a target's is), so its next forward gathers the new
-values instead of using the old gathered copy. ``make_target`` on a sharded module raises and says the above.
+values instead of using the old gathered copy. For a network that is already sharded, build a second one, shard it
+alike and let ``make_target(online, into=second)`` copy the weights into it (local shards, no collective) and
+freeze it; ``make_target(online)`` on a sharded module raises and says so.
 """
 
 from __future__ import annotations
@@ -49,14 +52,27 @@ from components._sharding import fsdp_modules, is_sharded, layout, reshard
 __all__ = ["hard_update", "make_target", "soft_update"]
 
 
-def make_target(online: nn.Module) -> nn.Module:
-    """A frozen deep copy of ``online``: own storage, ``requires_grad=False`` everywhere, eval mode."""
+def make_target(online: nn.Module, into: nn.Module | None = None) -> nn.Module:
+    """A frozen copy of ``online``: own storage, ``requires_grad=False`` everywhere, eval mode.
+
+    Without ``into``, a deep copy. With ``into`` (a network built like ``online``, sharded alike when ``online`` is
+    sharded), ``online``'s parameters and buffers are copied into it in place (``hard_update``: on this rank's shards,
+    no collective) and ``into`` is frozen and returned: the way to a target of a network that is already sharded,
+    which FSDP2 cannot deep-copy.
+    """
     if not isinstance(online, nn.Module):
         raise TypeError(f"online must be an nn.Module, got {type(online).__name__}")
+    if into is not None:
+        if not isinstance(into, nn.Module):
+            raise TypeError(f"into must be an nn.Module, got {type(into).__name__}")
+        hard_update(into, online)
+        into.requires_grad_(False)
+        return into.eval()
     if any(is_sharded(p) for p in online.parameters()):
         raise ValueError(
             "make_target: online is sharded (FSDP2 forbids deep copies of sharded modules): make the target before "
-            "fully_shard, then shard both networks alike"
+            "fully_shard and shard both networks alike, or build a second network, shard it alike and pass it: "
+            "make_target(online, into=it)"
         )
     target = copy.deepcopy(online)
     target.requires_grad_(False)

@@ -156,9 +156,18 @@ def test_target_updates_on_shards_equal_the_unsharded_ones_with_no_collective(ra
         assert not torch.equal(out, online_out)
 
 
+def test_a_target_of_an_already_sharded_network_is_made_into_a_network_sharded_alike(ranks: list[dict]) -> None:
+    for rank in ranks:
+        into = rank["target"]["into"]
+        assert into["differed"]  # the control: before, the network held other values
+        assert into["returned"] and into["collectives"] == 0 and not into["training"] and not into["requires_grad"]
+        assert same(*into["gathered"])
+
+
 def test_target_refusals_name_the_problem(ranks: list[dict]) -> None:
     target = ranks[0]["target"]
     assert target["make_target_sharded"].startswith("make_target: online is sharded (FSDP2 forbids deep copies")
+    assert target["make_target_sharded"].endswith("make_target(online, into=it)")
     assert target["refusals"] == {
         "sharded otherwise": "target and online are sharded differently at '0.weight': target Replicate(), "
         "Shard(dim=0) over a mesh of 1x2 ranks, online Shard(dim=0) over a mesh of 2 ranks; shard both networks alike",

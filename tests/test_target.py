@@ -44,6 +44,26 @@ def test_make_target_is_a_frozen_copy_with_its_own_storage(device: str) -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_make_target_into_a_network_copies_into_its_storage_and_freezes_it(device: str) -> None:
+    """``into``: the way to a target of an already-sharded network (``tests/test_sharded.py``), here unsharded."""
+    online = qnet(device)
+    online[1].running_mean.add_(1.0)
+    twin = nn.Sequential(nn.Linear(4, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 2)).to(device)
+    before = keys(twin)
+    assert make_target(online, into=twin) is twin
+    assert keys(twin) == before  # written into its own storage, nothing replaced
+    assert not twin.training and all(not p.requires_grad for p in twin.parameters())
+    for (name, t), o in zip(twin.state_dict().items(), online.state_dict().values(), strict=True):
+        assert torch.equal(t, o), name
+    with pytest.raises(ValueError, match="same module"):
+        make_target(online, into=online)
+    with pytest.raises(ValueError, match=r"differ at '0.weight' / '0.weight': target \(64, 4\)"):
+        make_target(online, into=nn.Sequential(nn.Linear(4, 64)))
+    with pytest.raises(TypeError, match=r"into must be an nn\.Module, got str"):
+        make_target(online, into="target")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_target_never_sees_a_gradient_through_training_and_updates_in_grad_mode(device: str) -> None:
     online = qnet(device)
     target = make_target(online)

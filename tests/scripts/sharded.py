@@ -46,7 +46,7 @@ from components import (
     soft_update,
     storage_key,
 )
-from components._sharding import local_part
+from components._sharding import local, local_part
 from scripts.bench_sharded import GatheredEMA
 
 STEPS = 6
@@ -89,6 +89,13 @@ def mirror(replica: nn.Module, model: nn.Module) -> None:
 
 def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def same_state(a: nn.Module, b: nn.Module) -> bool:
+    """Whether two networks hold the same values (gathered: every rank takes part)."""
+    return all(
+        torch.equal(full(x), full(y)) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True)
+    )
 
 
 def cpu(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -262,6 +269,19 @@ def target_checks(rank: int, mesh: DeviceMesh) -> dict[str, Any]:
         out["make_target_sharded"] = "accepted"
     except ValueError as err:
         out["make_target_sharded"] = str(err)
+    twin = shard(network(), mesh)
+    with torch.no_grad():
+        for t in twin.state_dict().values():
+            local(t).add_(1)  # other weights and statistics than online's
+    differed = not same_state(twin, online)
+    with CollectiveProbe() as probe:
+        made = make_target(online, into=twin)
+    out["into"] = {
+        "differed": differed, "returned": made is twin, "collectives": probe.count, "training": twin.training,
+        "requires_grad": any(p.requires_grad for p in twin.parameters()),
+        "gathered": (cpu({k: full(v) for k, v in twin.state_dict().items()}),
+                     cpu({k: full(v) for k, v in online.state_dict().items()})),
+    }  # fmt: skip
     out["target_requires_grad"] = any(p.requires_grad for p in target.parameters())
     optimizer = torch.optim.SGD(online.parameters(), lr=0.1)
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(9))
