@@ -16,14 +16,15 @@ Copy contract:
 * A one-file checkpoint (``save_distributed_checkpoint=False``) over a file is the trainer's ``CheckpointIO``
   plugin's write (``AtomicCheckpointIO`` in ``train.py``: already a rename). Over a directory, it is written to the
   hidden name and swapped in as above.
-* Lightning's own ``ModelParallelStrategy`` writes into the existing directory: new shards over the old ones, then
-  ``.metadata``, then ``meta.pt``. A kill during the shards leaves some ranks' new shards beside others' old ones
-  (a mixture that loads without an error); one before ``meta.pt`` leaves new weights under the old loop counters,
-  EMA counters and random states. A switch from a directory to one file removes the directory before writing.
+* Lightning's own ``ModelParallelStrategy`` writes into the existing directory: each rank its new shards over its
+  old ones, then ``.metadata``, then ``meta.pt``. A kill once the shards are written, or just before ``meta.pt``,
+  leaves new weights under the old ``meta.pt`` (loop counters, EMA counters, random states of the previous save): a
+  checkpoint of no step, which loads without an error. A kill while the ranks write leaves some ranks' new shards
+  beside others' old ones. A switch from a directory to one file removes the directory before writing.
 * Where the filesystem cannot exchange two names (not Linux, or a filesystem that refuses ``RENAME_EXCHANGE``:
   ``EINVAL``, ``ENOSYS``), the previous checkpoint is renamed aside to ``.NAME.old-PID`` and the new one renamed in:
   a kill between those two renames leaves no checkpoint under the name and the previous one whole under
-  ``.NAME.old-PID`` (warned once per process).
+  ``.NAME.old-PID`` (with a warning).
 * An exception while writing removes the hidden directory and leaves the target as it was. A SIGKILL leaves the
   target as it was and the hidden directory behind, which nothing reads: remove ``.NAME.tmp-*`` by hand.
 * A directory at the target that is not a distributed checkpoint (no ``meta.pt``) is refused
