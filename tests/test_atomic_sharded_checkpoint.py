@@ -1,10 +1,11 @@
 """``AtomicModelParallelStrategy``: a distributed checkpoint directory (or a file replacing one) is written beside its
 target and put in its place in one step, so a kill at any moment leaves the previous checkpoint or the new one.
 
-* 2 gloo processes (``tests/scripts/sharded_kill.py``) killed while rewriting ``last.ckpt``, once every shard is
-  written and once only ``meta.pt`` is missing: ``last.ckpt`` is the previous checkpoint, whole. Control: Lightning's
-  ``ModelParallelStrategy`` killed at the same points leaves new weights under the old ``meta.pt`` (loop counters,
-  callback states, random states), a checkpoint of no step that loads without an error.
+* 2 gloo processes (``tests/scripts/sharded_kill.py``; on a GPU also 1 NCCL process) killed while rewriting
+  ``last.ckpt``, once every shard is written and once only ``meta.pt`` is missing: ``last.ckpt`` is the previous
+  checkpoint, whole. Control: Lightning's ``ModelParallelStrategy`` killed at the same points leaves new weights under
+  the old ``meta.pt`` (loop counters, callback states, random states), a checkpoint of no step that loads without an
+  error.
 * ``put_in_place`` in a process killed after the exchange and before the previous checkpoint is removed: the new one
   is in place. Control: the two-rename fallback killed between its renames leaves nothing under the name.
 * In this process (rank 0, no process group): replacing directories, files and links, the fallback, a failed save,
@@ -28,18 +29,18 @@ import torch
 from components import AtomicCheckpointIO, AtomicModelParallelStrategy
 from components import atomic_sharded_checkpoint as atomic
 from components.atomic_sharded_checkpoint import put_in_place
-from tests.conftest import ROOT, child_env, free_port
+from tests.conftest import DEVICES, ROOT, child_env, free_port
 from tests.test_fsdp import read
 from tests.test_resume_recipes import differences
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
 
 
-def killed_run(strategy: str, point: str, out: Path) -> Path:
+def killed_run(strategy: str, point: str, out: Path, device: str = "cpu") -> Path:
     """``tests/scripts/sharded_kill.py``'s run, killed (SIGKILL to its process group) at ``point`` of its second
-    ``last.ckpt`` save."""
+    ``last.ckpt`` save: 2 gloo processes on the CPU, 1 NCCL process on a GPU."""
     process = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "scripts" / "sharded_kill.py"), str(out), strategy, point],
+        [sys.executable, str(ROOT / "tests" / "scripts" / "sharded_kill.py"), str(out), strategy, point, device],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env(TEST_PORT=free_port()),
         start_new_session=True,
     )  # fmt: skip
@@ -48,11 +49,12 @@ def killed_run(strategy: str, point: str, out: Path) -> Path:
     return out / "last.ckpt"
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("point", ["shards", "meta"])
 def test_a_run_killed_while_rewriting_a_directory_leaves_the_previous_checkpoint_whole(
-    point: str, tmp_path: Path
+    point: str, device: str, tmp_path: Path
 ) -> None:
-    last = killed_run("ours", point, tmp_path)
+    last = killed_run("ours", point, tmp_path, device)
     assert differences(read(last, tmp_path / "last.pt"), read(tmp_path / "epoch=0.ckpt", tmp_path / "first.pt")) == []
     (hidden,) = tmp_path.glob(".last.ckpt.tmp-*")  # the new one, part-written, under a name nothing reads
     assert not (hidden / "meta.pt").exists()

@@ -1,11 +1,13 @@
-"""Run by tests/test_atomic_sharded_checkpoint.py: ``python tests/scripts/sharded_kill.py OUT STRATEGY KILL``.
+"""Run by tests/test_atomic_sharded_checkpoint.py: ``python tests/scripts/sharded_kill.py OUT STRATEGY KILL DEVICE``.
 
-2 gloo processes train an FSDP2-sharded Regressor for 2 epochs under STRATEGY (``ours``: AtomicModelParallelStrategy;
-``lightning``: ModelParallelStrategy), a ``ModelCheckpoint`` writing ``epoch=N.ckpt`` then ``last.ckpt`` in OUT at the
-end of each epoch, both distributed checkpoints. During the second save of ``last.ckpt``, rank 0 SIGKILLs the
+2 gloo processes (DEVICE ``cpu``; ``cuda``: 1 NCCL process, since NCCL takes one GPU per process) train an
+FSDP2-sharded Regressor for 2 epochs under STRATEGY (``ours``: AtomicModelParallelStrategy; ``lightning``:
+ModelParallelStrategy), a ``ModelCheckpoint`` writing ``epoch=N.ckpt`` then ``last.ckpt`` in OUT at the end of each
+epoch, both distributed checkpoints. During the second save of ``last.ckpt``, rank 0 SIGKILLs the
 process group (both ranks and this script) at KILL:
 
-* ``shards``: every rank's shard file written (rank 0 waits for rank 1's), before ``.metadata`` and ``meta.pt``;
+* ``shards``: every rank's shard file written (rank 0 waits for rank 1's, if any), before ``.metadata`` and
+  ``meta.pt``;
 * ``meta``: the shards and ``.metadata`` written, before ``meta.pt``;
 * ``none``: no kill; the run ends.
 """
@@ -34,7 +36,7 @@ from tests.test_ema_callback import loader
 STRATEGIES = {"ours": AtomicModelParallelStrategy, "lightning": ModelParallelStrategy}
 
 
-def kill_at(point: str, rank: int, out: Path) -> None:
+def kill_at(point: str, rank: int, world: int, out: Path) -> None:
     """Patch this rank's writers so that rank 0 kills everything at ``point`` of the second ``last.ckpt`` save."""
     saves = {"shards": 0, "meta": 0}
     rank1_wrote = out / "rank1-wrote-second-last"
@@ -52,7 +54,7 @@ def kill_at(point: str, rank: int, out: Path) -> None:
             if rank == 1:
                 rank1_wrote.touch()
             else:
-                while not rank1_wrote.exists():
+                while world > 1 and not rank1_wrote.exists():
                     time.sleep(0.01)
                 os.killpg(0, signal.SIGKILL)
         return written
@@ -68,22 +70,26 @@ def kill_at(point: str, rank: int, out: Path) -> None:
     torch.save = maybe_kill_then_save
 
 
-def main(rank: int, out: Path, strategy: str, point: str) -> None:
+def main(rank: int, out: Path, strategy: str, point: str, device: str, world: int) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["TEST_PORT"], WORLD_SIZE="2", NODE_RANK="0",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["TEST_PORT"], WORLD_SIZE=str(world), NODE_RANK="0",
         LOCAL_RANK=str(rank), RANK=str(rank),
     )  # fmt: skip
     torch.set_num_threads(1)
-    kill_at(point, rank, out)
+    kill_at(point, rank, world, out)
     pl.seed_everything(0)
     checkpoint = ModelCheckpoint(out, filename="{epoch}", save_top_k=-1, save_last=True)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, max_epochs=2, logger=False, enable_progress_bar=False,
+        accelerator=device, devices=world, max_epochs=2, logger=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=out, num_sanity_val_steps=0, callbacks=[checkpoint],
-        strategy=STRATEGIES[strategy](data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=True),
+        strategy=STRATEGIES[strategy](
+            data_parallel_size=world, tensor_parallel_size=1, save_distributed_checkpoint=True
+        ),
     )  # fmt: skip
     trainer.fit(ShardedRegressor(), loader(), loader(64))
 
 
 if __name__ == "__main__":
-    torch.multiprocessing.spawn(main, args=(Path(sys.argv[1]), sys.argv[2], sys.argv[3]), nprocs=2)
+    device = sys.argv[4]
+    world = 2 if device == "cpu" else 1
+    torch.multiprocessing.spawn(main, args=(Path(sys.argv[1]), sys.argv[2], sys.argv[3], device, world), nprocs=world)
