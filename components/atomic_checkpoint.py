@@ -57,8 +57,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         except BaseException:
             temporary.unlink(missing_ok=True)
             raise
-        directory = os.open(target.parent, os.O_RDONLY)
-        try:
-            os.fsync(directory)
-        finally:
-            os.close(directory)
+        fsync_directory(target.parent)
+
+
+def fsync_directory(path: Path) -> None:
+    """``fsync`` a directory, so the renames in it survive a power loss."""
+    directory = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)

@@ -47,6 +47,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 
+from components.atomic_checkpoint import fsync_directory
 from components.resume import DISTRIBUTED_METADATA
 
 __all__ = ["AtomicModelParallelStrategy"]
@@ -99,7 +100,7 @@ def put_in_place(new: Path, target: Path) -> None:
             _two_renames(new, target)
         else:
             _remove(new)  # the previous checkpoint, now under the hidden name
-    _fsync_directory(target.parent)
+    fsync_directory(target.parent)
 
 
 def _exchange(a: Path, b: Path) -> None:
@@ -139,12 +140,4 @@ def _sync(path: Path) -> None:
     if path.is_dir():
         with open(path / DISTRIBUTED_METADATA, "rb+") as file:
             os.fsync(file.fileno())
-        _fsync_directory(path)
-
-
-def _fsync_directory(path: Path) -> None:
-    directory = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+        fsync_directory(path)
