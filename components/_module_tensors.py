@@ -1,6 +1,7 @@
 """A module's parameters and buffers by ``state_dict`` name, looked up cheaply on every call.
 
-Copy contract: holds references only; copies nothing.
+Copy contract: holds references only; copies nothing. A buffer's owner module is held weakly, so a list of a
+module's tensors kept in a cache keyed by that module (``components.target``) does not keep it alive.
 
 Parameters are kept as objects: ``model.to(...)`` changes their data in place and keeps the object.
 Buffers are kept as (owner module, name) and looked up on each call, because ``model.to(...)`` replaces
@@ -16,6 +17,7 @@ once would go on writing into the old storage (``tests/test_sharded.py`` checks 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -23,7 +25,19 @@ from torch import nn
 
 from components._sharding import is_sharded, local
 
-__all__ = ["TensorRefs", "state_entries"]
+__all__ = ["TensorRefs", "state_entries", "unwrap"]
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside ``DistributedDataParallel`` / ``DataParallel`` (``.module``) and ``torch.compile``
+    (``._orig_mod``) wrappers, however nested: the module whose ``state_dict`` names carry no wrapper prefix."""
+    while True:
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
+            model = model._orig_mod
+        else:
+            return model
 
 
 def state_entries(model: nn.Module, include_buffers: bool = True) -> Iterator[tuple[str, torch.Tensor, tuple | None]]:
@@ -46,12 +60,13 @@ class TensorRefs:
 
     def __init__(self) -> None:
         self._tensors: list[torch.Tensor] = []
-        self._buffers: list[tuple[int, nn.Module, str]] = []
+        self._buffers: list[tuple[int, weakref.ref[nn.Module], str]] = []
         self._sharded = False
 
     def append(self, tensor: torch.Tensor, owner: tuple[nn.Module, str] | None) -> None:
         if owner is not None:
-            self._buffers.append((len(self._tensors), *owner))
+            module, name = owner
+            self._buffers.append((len(self._tensors), weakref.ref(module), name))
         self._sharded = self._sharded or is_sharded(tensor)
         self._tensors.append(tensor)
 
@@ -60,7 +75,10 @@ class TensorRefs:
             return self._tensors
         tensors = list(self._tensors)
         for position, owner, name in self._buffers:
-            tensors[position] = owner._buffers[name]
+            module = owner()
+            if module is None:
+                raise RuntimeError(f"the module owning buffer {name!r} was freed; these tensor lists are stale")
+            tensors[position] = module._buffers[name]
         return tensors
 
     def resolve(self) -> list[torch.Tensor]:

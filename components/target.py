@@ -17,6 +17,11 @@ Copy contract:
   a Python loop per call; ``target.data.copy_(tau * q + (1 - tau) * t)`` allocates three temporaries per
   tensor and bypasses autograd's version checks through ``.data``.
 
+Wrapped networks: ``torch.compile``, ``DataParallel`` and DDP wrappers are looked through (``online``, ``target`` or
+both), so their ``_orig_mod.`` / ``module.`` prefixes never make a pair mismatch; ``make_target`` copies the module
+inside (compile the target yourself if you want it compiled). The lists built for a pair refer to the target's
+modules weakly: a target its user drops is freed, whatever it holds (``tests/test_target.py``).
+
 A parent module's ``.train()`` also switches the target to training mode; a recipe that holds the target
 as a submodule keeps it in eval mode (see ``recipes/dqn.py``).
 
@@ -46,7 +51,7 @@ import torch
 from torch import nn
 
 from components._foreach_writes import foreach_copy_, foreach_lerp_
-from components._module_tensors import TensorRefs, state_entries
+from components._module_tensors import TensorRefs, state_entries, unwrap
 from components._sharding import fsdp_modules, is_sharded, layout, reshard
 
 __all__ = ["hard_update", "make_target", "soft_update"]
@@ -62,6 +67,7 @@ def make_target(online: nn.Module, into: nn.Module | None = None) -> nn.Module:
     """
     if not isinstance(online, nn.Module):
         raise TypeError(f"online must be an nn.Module, got {type(online).__name__}")
+    online = unwrap(online)
     if into is not None:
         if not isinstance(into, nn.Module):
             raise TypeError(f"into must be an nn.Module, got {type(into).__name__}")
@@ -110,19 +116,25 @@ class _PairGroup:
     online: TensorRefs = field(default_factory=TensorRefs)
 
 
-_Cached = tuple[weakref.ref, list[_PairGroup], list[nn.Module]]
+_Cached = tuple[weakref.ref, list[_PairGroup], list[weakref.ref]]
+# Keyed by the target; every value refers to modules weakly (the target's buffer owners and FSDP2 modules, the online
+# network), so a target dropped by its user is freed, cache entry and all.
 _CACHE: weakref.WeakKeyDictionary[nn.Module, _Cached] = weakref.WeakKeyDictionary()
 
 
 def _pairs(target: nn.Module, online: nn.Module) -> list[_PairGroup]:
-    """The pair's groups, built on the first call; the target's FSDP2 modules resharded (local), ready to write."""
+    """The pair's groups, built on the first call; the target's FSDP2 modules resharded (local), ready to write.
+
+    Both networks are unwrapped first (``torch.compile``, ``DataParallel``, DDP): the pair is the modules inside."""
+    target, online = unwrap(target), unwrap(online)
     cached = _CACHE.get(target)
     if cached is None or cached[0]() is not online:
         sharded = fsdp_modules(target)  # found once: the updates run every step
         reshard(sharded)  # its sharded parameters registered, to build the lists from
-        cached = (weakref.ref(online), _build(target, online), sharded)
+        cached = (weakref.ref(online), _build(target, online), [weakref.ref(m) for m in sharded])
         _CACHE[target] = cached
-    reshard(cached[2])
+    if cached[2]:
+        reshard([m for m in (ref() for ref in cached[2]) if m is not None])
     return cached[1]
 
 

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
 
+import components._module_tensors as _module_tensors
+import components.target as target_module
 from components import CopyAudit, MemoryProbe, hard_update, make_target, soft_update, storage_key
 from tests.conftest import DEVICES
 
@@ -194,3 +200,63 @@ def test_cuda_updates_do_not_synchronize() -> None:
         soft_update(target, online, 0.01)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+ROOTS = {
+    "BatchNorm1d at the root": lambda: nn.BatchNorm1d(8),
+    "buffers in a submodule": lambda: nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)),
+    "no buffers": lambda: nn.Linear(8, 8),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("root", ROOTS)
+def test_a_dropped_target_is_freed_whatever_its_root_module_owns(
+    root: str, device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def dropped_target_survives() -> bool:
+        online = ROOTS[root]().to(device)
+        target = make_target(online)
+        hard_update(target, online)
+        soft_update(target, online, 0.5)
+        ref = weakref.ref(target)
+        del target
+        gc.collect()
+        return ref() is not None
+
+    assert not dropped_target_survives()
+    if root != "BatchNorm1d at the root":
+        return
+    # The control: the update lists holding each buffer's owner module strongly, as before the fix. The cache is keyed
+    # by the target weakly, but its value then holds the target itself, so the entry never goes.
+    monkeypatch.setattr(_module_tensors, "weakref", SimpleNamespace(ref=lambda module: lambda: module))
+    assert dropped_target_survives()
+
+
+WRAPPERS = {
+    "torch.compile": torch.compile,
+    "DataParallel": nn.DataParallel,
+    "compiled DataParallel": lambda m: torch.compile(nn.DataParallel(m)),
+}
+
+
+@pytest.mark.parametrize("wrap", WRAPPERS)
+def test_targets_of_compiled_and_wrapped_networks(wrap: str) -> None:
+    """CleanRL and SB3 users compile their Q-network; the wrappers prefix every state_dict name (``_orig_mod.``,
+    ``module.``), and the pair is the modules inside."""
+    online = qnet()
+    wrapped = WRAPPERS[wrap](online)
+    target = make_target(wrapped)
+    assert type(target) is nn.Sequential and keys(target).keys() == keys(online).keys()  # the module inside, copied
+    with torch.no_grad():
+        online[0].weight.add_(1.0)
+    hard_update(target, wrapped)
+    assert torch.equal(target[0].weight, online[0].weight)
+    soft_update(WRAPPERS[wrap](target), wrapped, 0.5)  # a wrapped target too
+    hard_update(target, online)  # the same pair, unwrapped: the same lists
+    with CopyAudit() as audit:
+        hard_update(target, wrapped)
+    assert audit.bytes_allocated == 0
+
+    with pytest.raises(ValueError, match=r"differ at '0.weight' / '(_orig_mod|module)\."):  # the control: no unwrapping
+        target_module._build(target, wrapped)
