@@ -1,7 +1,8 @@
 """Sharded (FSDP2, ``DTensor``) tensors as this rank's shard: what the foreach writers work on.
 
-Copy contract: ``local`` and ``layout`` copy nothing (``local`` is ``DTensor.to_local()``, a plain tensor view of
-the rank's shard; call it under ``no_grad``, where the view of a parameter can be written in place); ``reshard``
+Copy contract: ``local``, ``from_local`` and ``layout`` copy nothing (``local`` is ``DTensor.to_local()``, a plain
+tensor view of the rank's shard; call it under ``no_grad``, where the view of a parameter can be written in place;
+``from_local`` wraps a shard as a ``DTensor`` sharing its storage); ``reshard``
 frees memory and copies nothing; ``local_part`` returns a view or a new tensor of this rank's part of a full
 tensor, taken locally (no collective).
 
@@ -14,26 +15,39 @@ the gathered copies, so the next forward gathers the shards as they are now. It 
 
 from __future__ import annotations
 
+import sys
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
-__all__ = ["DTensor", "fsdp_modules", "is_sharded", "layout", "local", "local_part", "reshard"]
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
-try:
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor, distribute_tensor
-except ImportError:  # a build without torch.distributed: nothing can be sharded
-    DTensor = FSDPModule = None  # type: ignore[assignment,misc]
+__all__ = ["from_local", "fsdp_modules", "is_sharded", "layout", "local", "local_part", "reshard"]
+
+# Not imported here: torch.distributed.tensor and torch.distributed.fsdp take seconds to import (sympy comes with them)
+# and a process that never imported them holds no DTensor and no FSDP2 module. So each check looks them up only where
+# the process has imported them (FSDP2 and its users do), and `import components.ema` stays as light as `import torch`.
+_DTENSOR, _FSDP = "torch.distributed.tensor", "torch.distributed.fsdp"
 
 
 def is_sharded(t: torch.Tensor) -> bool:
     """Whether ``t`` is a ``DTensor`` (a sharded or replicated tensor spread over a device mesh)."""
-    return DTensor is not None and isinstance(t, DTensor)
+    module = sys.modules.get(_DTENSOR)
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t`` as a plain tensor (``to_local()``, a view), or ``t`` itself when it is plain."""
     return t.to_local() if is_sharded(t) else t
+
+
+def from_local(shard: torch.Tensor, like: DTensor) -> DTensor:
+    """A ``DTensor`` whose local tensor is ``shard`` (no copy), spread as ``like`` is."""
+    return sys.modules[_DTENSOR].DTensor.from_local(
+        shard, like.device_mesh, like.placements, shape=like.shape, stride=like.stride()
+    )
 
 
 def layout(t: torch.Tensor) -> str:
@@ -49,13 +63,16 @@ def layout(t: torch.Tensor) -> str:
 def local_part(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """This rank's part of the full tensor ``full``, spread as ``like`` (a ``DTensor`` of ``full``'s shape) is;
     each rank takes its own part of the ``full`` it holds, so nothing is sent."""
+    from torch.distributed.tensor import distribute_tensor
+
     part = distribute_tensor(full.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
     return part.to_local()
 
 
 def fsdp_modules(module: nn.Module) -> list[nn.Module]:
     """The FSDP2 modules in ``module`` (itself included): what ``reshard`` drops the gathered parameters of."""
-    return [] if FSDPModule is None else [m for m in module.modules() if isinstance(m, FSDPModule)]
+    fsdp = sys.modules.get(_FSDP)
+    return [] if fsdp is None else [m for m in module.modules() if isinstance(m, fsdp.FSDPModule)]
 
 
 def reshard(module: nn.Module | list[nn.Module]) -> None:
