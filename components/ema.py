@@ -15,18 +15,25 @@ Copy contract:
 * A model in float16/bfloat16 gets a float32 shadow (``shadow_dtype=None``): at decay 0.9999 a bf16
   shadow rounds every small update away. A group whose shadow dtype or device differs from the model's
   keeps a staging copy of the live tensors in the shadow's dtype and device, allocated once.
-* ``average_weights(model)`` swaps shadow and live values in place and swaps them back on exit (an exception,
-  ``KeyboardInterrupt`` included, too), bit for bit, through one scratch buffer the size of the largest tensor
-  (groups whose dtype or device differ back up their live tensors instead, in the live dtype on the shadow's
-  device). A nested ``average_weights`` of the same EMA changes nothing: the model already holds the average.
-* The EMA knows when it is swapped (``swapped``), and no method mistakes one set of values for the other
-  meanwhile. ``shadow`` maps each name to the tensor that holds the average *now*: the model's own, detached
-  (no copy), or, for a group backed up instead, still the shadow's; ``state_dict``, ``load_state_dict``,
-  ``copy_to`` (another model) and ``export`` read and write the average there. ``update`` and
-  ``copy_to(model)`` raise: their result would be swapped back out when the block ends.
-* ``export()`` returns a new module holding the average: a ``copy.deepcopy`` of the model (parameters and
-  buffers cloned, gradients not), the average copied into it. The model and the shadow are only read, so no
-  swap can escape into what is exported or saved from it.
+* ``average_weights(model)`` copies the average into the model for the block and the live values back on exit (an
+  exception, ``KeyboardInterrupt`` included, too), bit for bit, through one backup of the live values per (device,
+  dtype) group, allocated on entry and freed on exit (one copy of the model's weights: diffusers' ``store``/``restore``
+  keeps the same). The shadow is only read, so nothing written into the model inside the block reaches the average: a
+  forward in training mode (BatchNorm statistics, DCGAN's way of sampling) or an optimizer step writes into the
+  model's copy, which is discarded; a written parameter also makes the block raise on exit, naming it (the version
+  counters tell). The swap through one scratch buffer that this replaced kept no backup, and such writes became the
+  average (``tests/test_ema.py`` keeps it as the control). A nested ``average_weights`` of the same EMA changes
+  nothing: the model already holds the average.
+* The EMA knows when it is swapped (``swapped``). ``shadow`` maps each name to the shadow's tensor, which holds the
+  average at all times; ``state_dict``, ``load_state_dict``, ``copy_to`` (another model) and ``export`` read and write
+  it there, inside a block too. ``update`` and ``copy_to(model)`` raise inside a block: their result would be undone
+  when the block ends.
+* The average is only as good as its start: ``initial_share`` is the share of it that is still the weights it began
+  from. With the default warm-up (``warmup=True``) the first update's decay is 0 and the share is 0 from then on;
+  with ``warmup=False`` it is ``decay ** updates`` (0.74 after 300 updates at 0.999). The first use of the average
+  (``average_weights``, ``copy_to``, ``export``) warns once when it is above one half.
+* ``export()`` returns a new module holding the average, in eval mode: a ``copy.deepcopy`` of the model (parameters
+  and buffers cloned, gradients not), the average copied into it. The model and the shadow are only read.
 
 Sharded models (FSDP2: every parameter a ``DTensor``, each rank holding its shard; ``ema.sharded`` is True):
 
@@ -35,9 +42,10 @@ Sharded models (FSDP2: every parameter a ``DTensor``, each rank holding its shar
   shadow (buffers, which FSDP2 does not shard, are kept whole). Nothing is gathered to build it.
 * ``update`` runs its foreach calls on the local shards (``DTensor.to_local()``, a view, taken on each call): the
   average of a shard is the shard of the average, so no collective is issued and nothing is allocated.
-  ``average_weights``, ``copy_to`` and ``load_state_dict`` swap and write shards the same way, with every
-  guarantee above. Before writing into the model they drop FSDP2's gathered parameters (``reshard()``, local), so
-  the next forward gathers the shards as they are now instead of using a gathered copy of the values before.
+  ``average_weights``, ``copy_to`` and ``load_state_dict`` copy and write shards the same way, with every
+  guarantee above (the backup of ``average_weights`` holds this rank's shards: 1/N of the weights). Before writing
+  into the model they drop FSDP2's gathered parameters (``reshard()``, local), so the next forward gathers the shards
+  as they are now instead of using a gathered copy of the values before.
 * ``state_dict`` holds the shadow as ``DTensor``s (save it with ``torch.distributed.checkpoint``) and, under
   ``layout``, how each one is spread. Buffers stay plain tensors, each rank's own, and a distributed checkpoint
   keeps one copy of a plain tensor, as if every rank held the same: save them when they agree (``EMACallback``
@@ -57,6 +65,7 @@ construction (``module.weight = nn.Parameter(...)``) needs a new ``EMA``.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from copy import deepcopy
@@ -66,9 +75,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from components._flat import flat_views
 from components._foreach_writes import foreach_copy_, foreach_lerp_
-from components._module_tensors import TensorRefs, state_entries
-from components._sharding import DTensor, is_sharded, layout, local, local_part, reshard
+from components._module_tensors import TensorRefs, state_entries, unwrap
+from components._sharding import from_local, is_sharded, layout, local, local_part, reshard
 
 __all__ = ["EMA"]
 
@@ -85,16 +95,17 @@ class _Group:
     shadows: list[torch.Tensor] = field(default_factory=list)
     live: TensorRefs = field(default_factory=TensorRefs)
     staging: list[torch.Tensor] = field(default_factory=list)  # when shadow and live differ in dtype/device
+    names: list[str] = field(default_factory=list)  # the state_dict name of each pair, for messages
+    parameters: list[bool] = field(default_factory=list)  # whether each pair's live tensor is a parameter
 
 
 @dataclass
 class _Swap:
-    """An ``average_weights`` block in progress: what swapping back needs, and where the average is meanwhile."""
+    """An ``average_weights`` block in progress: the live values to put back, and the model's versions to check."""
 
     pairs: list[tuple[_Group, list[torch.Tensor]]]
-    scratch: dict[torch.device, torch.Tensor]
-    backups: dict[int, list[torch.Tensor]]  # group index -> its live values, for groups staged in another dtype/device
-    average: dict[str, torch.Tensor]  # name -> the tensor holding the average during the block
+    backups: list[list[torch.Tensor]]  # per group: views of one flat tensor holding its live values
+    versions: list[list[int]]  # per group: each live tensor's version once it holds the average
 
 
 class EMA:
@@ -103,7 +114,9 @@ class EMA:
     Args:
         model: the module whose weights are averaged.
         decay: weight of the old average per update, in [0, 1).
-        warmup: ramp the decay as ``min(decay, 1 - (1 + k) ** -warmup_power)`` over the first updates k.
+        warmup: ramp the decay as ``min(decay, 1 - (1 + k) ** -warmup_power)`` over the first updates k (the
+            default: the first update copies the weights, so the average never keeps the ones it was built from;
+            ``False``: ``decay`` from the first update, see ``initial_share``).
         warmup_power: exponent of the ramp (2/3 reaches 0.999 after about 31,000 updates).
         update_every: average on every n-th call of ``update`` (the others are free).
         start_step: before this many ``update`` calls, the shadow copies the weights instead of averaging.
@@ -119,7 +132,7 @@ class EMA:
         model: nn.Module,
         decay: float = 0.999,
         *,
-        warmup: bool = False,
+        warmup: bool = True,
         warmup_power: float = 2 / 3,
         update_every: int = 1,
         start_step: int = 0,
@@ -152,7 +165,7 @@ class EMA:
         self._shadow: dict[str, torch.Tensor] = {}
         self._slots: dict[str, tuple[int, int]] = {}  # name -> (group index, position in the group)
         self._groups: list[_Group] = []
-        self._model = _unwrap(model)
+        self._model = unwrap(model)
         self.sharded = any(is_sharded(p) for p in self._model.parameters())
         if self.sharded and self.device is not None:
             raise ValueError(
@@ -160,6 +173,7 @@ class EMA:
                 "shadow then lives beside its shards"
             )
         self._swap: _Swap | None = None  # set while average_weights holds the average in the model
+        self._share_checked = False  # initial_share is checked once, when the average is first used
         self._build(self._model)
 
     # -- construction -------------------------------------------------------------------------------
@@ -180,9 +194,7 @@ class EMA:
                 device = self.device or live.device
                 shadow = local(live).to(device=device, dtype=dtype, copy=True)  # this rank's shard, when sharded
                 if is_sharded(live):
-                    self._shadow[name] = DTensor.from_local(
-                        shadow, live.device_mesh, live.placements, shape=live.shape, stride=live.stride()
-                    )
+                    self._shadow[name] = from_local(shadow, live)
                 else:
                     self._shadow[name] = shadow
                 key = (shadow.device, shadow.dtype, live.device, live.dtype, average)
@@ -192,6 +204,8 @@ class EMA:
                 self._slots[name] = (list(groups).index(key), len(group.shadows))
                 group.shadows.append(shadow)
                 group.live.append(live, owner)
+                group.names.append(name)
+                group.parameters.append(owner is None)
                 if shadow.dtype != live.dtype or shadow.device != live.device:
                     group.staging.append(torch.empty_like(shadow))
         self._groups = list(groups.values())
@@ -202,10 +216,10 @@ class EMA:
         return torch.float32 if dtype in _LOW_PRECISION else dtype
 
     def _check_model(self, model: nn.Module | None) -> None:
-        if model is not None and model is not self._model and _unwrap(model) is not self._model:
+        if model is not None and model is not self._model and unwrap(model) is not self._model:
             raise ValueError(
                 "this EMA was built for another model object; create a new EMA for this model "
-                "(or pass the same module, DDP- or compile-wrapped)"
+                "(or pass the same module, wrapped in DDP, DataParallel or torch.compile)"
             )
 
     @staticmethod
@@ -230,6 +244,32 @@ class EMA:
         if not self.warmup:
             return self.decay
         return min(self.decay, 1.0 - (1.0 + k) ** -self.warmup_power)
+
+    @property
+    def initial_share(self) -> float:
+        """The share of the average that is still the weights it started from (at construction, or at its last
+        copy before ``start_step``): the product of the decays applied so far. With the warm-up, the first update's
+        decay is 0, so this is 0 from then on; without it, ``decay ** num_updates`` (0.999 over 300 updates: 0.74).
+        Computed from the counters on the host: no tensor is read."""
+        if self.num_updates == 0:
+            return 1.0
+        return 0.0 if self.warmup else self.decay**self.num_updates  # the ramp's decay_at(0) is 0
+
+    def _check_share(self, stacklevel: int) -> None:
+        """Warn, once, when the average is first used while it is still mostly the weights it started from;
+        ``stacklevel`` points the warning at the caller of the public method."""
+        if self._share_checked:
+            return
+        self._share_checked = True
+        share = self.initial_share
+        if share > 0.5:
+            warnings.warn(
+                f"EMA: the average is still {share:.0%} the weights it started from after {self.num_updates} updates "
+                f"(decay {self.decay}, warmup={self.warmup}): keep the default warmup=True, lower the decay, or use "
+                "the average later",
+                RuntimeWarning,
+                stacklevel=stacklevel + 1,
+            )
 
     def update(self, model: nn.Module | None = None) -> None:
         """One step: average the model into the shadow (or copy it, before ``start_step``).
@@ -271,9 +311,9 @@ class EMA:
 
     @property
     def shadow(self) -> dict[str, torch.Tensor]:
-        """The average by ``state_dict`` name: the shadow tensors, or inside ``average_weights`` the tensors
-        that hold it there (the model's own, detached; the shadow's for a group backed up instead)."""
-        return self._shadow if self._swap is None else self._swap.average
+        """The average by ``state_dict`` name: the shadow's own tensors, which hold it at all times (inside
+        ``average_weights`` too, where the model holds a copy of it)."""
+        return self._shadow
 
     @property
     def swapped(self) -> bool:
@@ -287,7 +327,8 @@ class EMA:
         (a fresh instance for export, say) is written through its ``state_dict(keep_vars=True)`` tensors.
         Inside ``average_weights``, copying into the averaged model raises; into another model works.
         """
-        if model is None or _unwrap(model) is self._model:
+        self._check_share(stacklevel=2)
+        if model is None or unwrap(model) is self._model:
             if self._swap is not None:
                 raise RuntimeError(
                     "EMA.copy_to(model) inside EMA.average_weights: the model holds the average already and gets its "
@@ -299,7 +340,7 @@ class EMA:
                     foreach_copy_(lives, group.shadows)
             return
         reshard(model)
-        targets = _unwrap(model).state_dict(keep_vars=True)
+        targets = unwrap(model).state_dict(keep_vars=True)
         for name, shadow in self.shadow.items():
             if name not in targets or targets[name].shape != shadow.shape:
                 found = tuple(targets[name].shape) if name in targets else "nothing"
@@ -314,16 +355,18 @@ class EMA:
                 local(targets[name]).copy_(local(shadow))
 
     def export(self) -> nn.Module:
-        """A new module holding the average, for inference or ``torch.save(exported.state_dict(), ...)``: a deep
-        copy of the (unwrapped) model, the average copied into it. The model and the shadow are only read."""
+        """A new module holding the average, in eval mode, for inference or ``torch.save(exported.state_dict(), ...)``:
+        a deep copy of the (unwrapped) model, the average copied into it (``.train()`` it to train it further). The
+        model and the shadow are only read."""
         if self.sharded:
             raise RuntimeError(
                 "EMA.export deep-copies the model, which FSDP2 forbids for a sharded one: load "
                 "ema.full_state_dict() (gathered once) into an unsharded instance of the model instead"
             )
+        self._check_share(stacklevel=2)
         exported = deepcopy(self._model)
         self.copy_to(exported)
-        return exported
+        return exported.eval()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The average as new, full, plain CPU tensors by ``state_dict`` name: an unsharded model's ``state_dict``.
@@ -342,60 +385,65 @@ class EMA:
 
     @contextmanager
     def average_weights(self, model: nn.Module | None = None) -> Iterator[nn.Module]:
-        """Run the block with the shadow's values in the model; the live values come back bit for bit.
+        """Run the block with the average in the model; on exit the live values come back bit for bit, and nothing
+        written into the model inside the block reaches the average.
 
-        Nested in another ``average_weights`` of this EMA, the block changes nothing: the model holds the average.
+        The live values are kept in one backup per group for the block (one copy of the model's weights, freed on
+        exit) and the average is copied into the model; the shadow is only read. On exit (an exception or
+        ``KeyboardInterrupt`` too) the backup is copied back. So a forward in training mode inside the block (BatchNorm
+        statistics) writes into the model's copy of the average, which is discarded: the shadow and the live
+        statistics are as before. A write into a parameter (an optimizer step) is undone the same way, and, because
+        a training step silently lost is a bug, the block then raises ``RuntimeError`` naming the parameters: the
+        model's version counters tell, at no cost. Nested in another ``average_weights`` of this EMA, the block
+        changes nothing: the model holds the average.
         """
         target = self._model if model is None else model
         if self._swap is not None:
             self._check_model(model)
             yield target  # type: ignore[misc]
             return
+        self._check_share(stacklevel=3)  # through contextlib's __enter__
         swap = self._swap_in(model)
         self._swap = swap
         try:
             yield target  # type: ignore[misc]
         finally:
-            self._swap_out(swap)
+            written = self._swap_out(swap)
             self._swap = None
+        if written:
+            more = f" and {len(written) - 3} more" if len(written) > 3 else ""
+            raise RuntimeError(
+                f"EMA.average_weights: {len(written)} parameter(s) of the model were written inside the block "
+                f"({', '.join(map(repr, written[:3]))}{more}; an optimizer step?): undone, the live weights are back "
+                "as they were before the block and the average is unchanged; step optimizers and write parameters "
+                "outside the block"
+            )
 
     def _swap_in(self, model: nn.Module | None) -> _Swap:
         reshard(self._model)
         with torch.no_grad():
             pairs = self._live_groups(model)
-            scratch = self._scratch(pairs)
-            backups: dict[int, list[torch.Tensor]] = {}
-            for i, (group, lives) in enumerate(pairs):
-                if group.staging:
-                    backups[i] = [live.to(s.device, copy=True) for live, s in zip(lives, group.shadows, strict=True)]
-                    foreach_copy_(lives, group.shadows)
-                else:
-                    _swap(lives, group.shadows, scratch)
-            holders = [[t.detach() for t in group.live.tensors()] for group, _ in pairs]
-        average = {  # aliases, no copy: the model's own tensors, or the shadow's for a group backed up instead
-            name: self._shadow[name] if self._groups[g].staging else holders[g][i]
-            for name, (g, i) in self._slots.items()
-        }
-        return _Swap(pairs, scratch, backups, average)
+            backups = []
+            for group, lives in pairs:
+                _, views = flat_views(lives)
+                foreach_copy_(views, lives)
+                foreach_copy_(lives, group.shadows)
+                backups.append(views)
+        return _Swap(pairs, backups, _versions(pairs))
 
-    def _swap_out(self, swap: _Swap) -> None:
+    def _swap_out(self, swap: _Swap) -> list[str]:
+        """Put the live values back; the names of the parameters written since the swap (or the last load)."""
+        written = [
+            name
+            for (group, lives), versions in zip(swap.pairs, swap.versions, strict=True)
+            for name, is_parameter, live, version in zip(group.names, group.parameters, lives, versions, strict=True)
+            if is_parameter and _version(live) != version
+        ]
         reshard(self._model)
         with torch.no_grad():
-            for i, (group, lives) in enumerate(swap.pairs):
-                if i in swap.backups:
-                    foreach_copy_(lives, swap.backups.pop(i))
-                else:
-                    _swap(lives, group.shadows, swap.scratch)
-
-    @staticmethod
-    def _scratch(pairs: list[tuple[_Group, list[torch.Tensor]]]) -> dict[torch.device, torch.Tensor]:
-        largest: dict[torch.device, int] = {}
-        for group, lives in pairs:
-            if not group.staging:
-                for live in lives:
-                    nbytes = live.numel() * live.element_size()
-                    largest[live.device] = max(largest.get(live.device, 0), nbytes)
-        return {device: torch.empty(n, dtype=torch.uint8, device=device) for device, n in largest.items()}
+            for (_, lives), backup in zip(swap.pairs, swap.backups, strict=True):
+                foreach_copy_(lives, backup)
+        return written
 
     # -- checkpoints ----------------------------------------------------------------------------------
 
@@ -439,16 +487,20 @@ class EMA:
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Copy a saved average and counters in place (into ``shadow``'s tensors), after ``check_state``. A sharded
-        EMA takes ``DTensor``s or full tensors, of which each rank copies its own part (nothing is sent)."""
+        EMA takes ``DTensor``s or full tensors, of which each rank copies its own part (nothing is sent). Inside
+        ``average_weights`` the model gets the loaded average too, for the rest of the block."""
         self.check_state(state)
-        if self._swap is not None:
-            reshard(self._model)  # the model holds the average: its next forward must gather what is loaded
         with torch.no_grad():
             for name, tensor in state["shadow"].items():
                 target = self.shadow[name]
                 if is_sharded(target) and not is_sharded(tensor):
                     tensor = local_part(tensor, target)
                 local(target).copy_(local(tensor))
+            if self._swap is not None:  # the block goes on with the loaded average in the model
+                reshard(self._model)  # its next forward must gather what is loaded
+                for group, lives in self._swap.pairs:
+                    foreach_copy_(lives, group.shadows)
+                self._swap.versions = _versions(self._swap.pairs)
         self.step = int(state.get("step", 0))
         self.num_updates = int(state.get("num_updates", 0))
 
@@ -460,20 +512,12 @@ class EMA:
         )
 
 
-def _swap(lives: list[torch.Tensor], shadows: list[torch.Tensor], scratch: dict[torch.device, torch.Tensor]) -> None:
-    for live, shadow in zip(lives, shadows, strict=True):
-        buffer = scratch[live.device][: live.numel() * live.element_size()].view(live.dtype).view(live.shape)
-        buffer.copy_(live)
-        live.copy_(shadow)
-        shadow.copy_(buffer)
+def _versions(pairs: list[tuple[_Group, list[torch.Tensor]]]) -> list[list[int]]:
+    return [[_version(t) for t in lives] for _, lives in pairs]
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The module inside DDP (``.module``) or ``torch.compile`` (``._orig_mod``) wrappers."""
-    while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-            model = model._orig_mod
-        else:
-            return model
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter (and cannot be written outside inference mode)
+        return None

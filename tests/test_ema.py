@@ -4,6 +4,7 @@ parameter), average_weights (bit-exact, bounded memory), state round trip and cl
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -29,7 +30,7 @@ def perturb(model: nn.Module, scale: float = 0.1) -> None:
 @pytest.mark.parametrize("device", DEVICES)
 def test_closed_form_with_frozen_online_weights(device: str) -> None:
     model = net(device)
-    ema = EMA(model, decay=0.9)
+    ema = EMA(model, decay=0.9, warmup=False)
     e0 = {k: v.clone() for k, v in ema.shadow.items()}
     perturb(model, 1.0)
     for _ in range(25):
@@ -43,7 +44,7 @@ def test_closed_form_with_frozen_online_weights(device: str) -> None:
 @pytest.mark.parametrize("device", DEVICES)
 def test_matches_averaged_model_over_50_updates(device: str) -> None:
     model = net(device)
-    ema = EMA(model, decay=0.99, include_buffers=False)
+    ema = EMA(model, decay=0.99, warmup=False, include_buffers=False)
     reference = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.99))
     reference.update_parameters(model)  # AveragedModel's first update copies; ours copied at construction
     for _ in range(50):
@@ -57,7 +58,7 @@ def test_matches_averaged_model_over_50_updates(device: str) -> None:
 
 def test_batchnorm_buffers_are_averaged_and_the_step_counter_copied() -> None:
     model = net()
-    ema = EMA(model, decay=0.5)
+    ema = EMA(model, decay=0.5, warmup=False)
     model.train()
     model(torch.randn(8, 16) + 3)  # moves running stats, num_batches_tracked -> 1
     ema.update(model)
@@ -72,7 +73,7 @@ def test_batchnorm_buffers_are_averaged_and_the_step_counter_copied() -> None:
 @pytest.mark.parametrize("device", DEVICES)
 def test_update_allocates_nothing_and_the_articles_loop_does(device: str) -> None:
     model = net(device)
-    ema = EMA(model, decay=0.99)
+    ema = EMA(model, decay=0.99, warmup=False)
     ema.update(model)
     with CopyAudit() as ours, MemoryProbe(device) as ours_memory:
         ema.update(model)
@@ -131,7 +132,7 @@ def test_warmup_ramp_start_step_and_update_every() -> None:
     ema.update(model)  # decay 0: the shadow becomes the weights
     torch.testing.assert_close(ema.shadow["0.weight"], model[0].weight.detach())
 
-    delayed = EMA(model, decay=0.5, start_step=2, update_every=3)
+    delayed = EMA(model, decay=0.5, warmup=False, start_step=2, update_every=3)
     for _ in range(2):
         perturb(model)
         delayed.update(model)  # before start_step: copies
@@ -154,8 +155,8 @@ def test_bf16_shadow_stalls_where_the_default_fp32_shadow_tracks() -> None:
     model = nn.Linear(64, 64, bias=False).to(torch.bfloat16)
     with torch.no_grad():
         model.weight.fill_(1.0)
-    ours = EMA(model, decay=0.9999)  # fp32 shadow for a bf16 model
-    control = EMA(model, decay=0.9999, shadow_dtype=torch.bfloat16)
+    ours = EMA(model, decay=0.9999, warmup=False)  # fp32 shadow for a bf16 model
+    control = EMA(model, decay=0.9999, warmup=False, shadow_dtype=torch.bfloat16)
     assert ours.shadow["weight"].dtype == torch.float32
     with torch.no_grad():
         model.weight.fill_(2.0)
@@ -171,20 +172,21 @@ def test_bf16_shadow_stalls_where_the_default_fp32_shadow_tracks() -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_average_weights_swaps_in_and_restores_bit_exactly_in_bounded_memory(device: str) -> None:
+def test_average_weights_copies_in_and_restores_bit_exactly_through_one_backup(device: str) -> None:
     model = net(device)
     ema = EMA(model, decay=0.9)
     perturb(model, 1.0)
     ema.update(model)
+    perturb(model, 1.0)
     live = {k: v.clone() for k, v in model.state_dict().items()}
     averaged = {k: v.clone() for k, v in ema.shadow.items()}
-    largest = max(v.numel() * v.element_size() for v in live.values())
+    weights = sum(v.numel() * v.element_size() for v in live.values())
     x = torch.randn(8, 16, device=device)
     model.eval()
     with MemoryProbe(device) as probe, ema.average_weights(model):
         pass
-    assert 0 < probe.peak_bytes <= largest  # one scratch buffer, freed on exit
-    assert probe.net_bytes == 0
+    assert probe.peak_bytes == weights  # one backup of the live values (one flat tensor per dtype group)...
+    assert probe.net_bytes == 0  # ...freed on exit
     with ema.average_weights(model):
         for name, value in model.state_dict().items():
             assert torch.equal(value, averaged[name])
@@ -198,10 +200,49 @@ def test_average_weights_swaps_in_and_restores_bit_exactly_in_bounded_memory(dev
     with torch.no_grad():
         assert torch.equal(out_ema, reference(x))
 
-    with MemoryProbe(device) as control:  # the usual alternative: back up the whole state_dict
-        backup = {k: v.clone() for k, v in model.state_dict().items()}
-    assert control.peak_bytes >= sum(v.numel() * v.element_size() for v in live.values()) > largest
-    del backup
+    block = ema.average_weights(model)  # the control: a block never exited keeps its backup (and the average in)
+    with MemoryProbe(device) as control:
+        block.__enter__()
+    assert control.net_bytes == weights and same(model.state_dict(), averaged)
+    block.__exit__(None, None, None)
+    assert same(model.state_dict(), live)
+
+
+def scratch_swap(model: nn.Module, ema: EMA) -> None:
+    """The swap ``average_weights`` made before issue 20: shadow and live values exchanged through a scratch buffer,
+    no backup; called again, it swaps back."""
+    with torch.no_grad():
+        for name, live in model.state_dict().items():
+            scratch = live.clone()
+            live.copy_(ema.shadow[name])
+            ema.shadow[name].copy_(scratch)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_nothing_written_to_the_model_inside_average_weights_reaches_the_average(device: str) -> None:
+    """DCGAN samples with the generator in training mode: its forward writes BatchNorm's running statistics and
+    ``num_batches_tracked``, which hold the average inside the block."""
+    model, ema, live, average = swapped_pair(device)
+    model.train()
+    with ema.average_weights(model):
+        model(torch.randn(8, 16, device=device))  # train mode: BatchNorm statistics written
+        assert not same(model.state_dict(), average)  # the writes landed in the model's copy...
+    assert same(model.state_dict(), live) and same(ema.shadow, average)  # ...which was discarded
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    written = r"2 parameter\(s\) of the model were written inside the block \('0.weight'"
+    with pytest.raises(RuntimeError, match=written), ema.average_weights(model):
+        model[0].weight.grad = torch.ones_like(model[0].weight)
+        model[3].bias.grad = torch.ones_like(model[3].bias)
+        optimizer.step()  # an optimizer step inside the block: refused on exit, and undone
+    assert same(model.state_dict(), live) and same(ema.shadow, average)
+
+    scratch_swap(model, ema)  # the control: the swap before the fix, and the same forward
+    model(torch.randn(8, 16, device=device))
+    scratch_swap(model, ema)
+    assert same(model.state_dict(), live)  # the live weights come back...
+    assert not same(ema.shadow, average)  # ...but the forward's statistics became the average
+    assert ema.shadow["1.num_batches_tracked"].item() == average["1.num_batches_tracked"].item() + 1
 
 
 def swapped_pair(device: str = "cpu") -> tuple[nn.Module, EMA, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -249,30 +290,26 @@ def test_inside_average_weights_update_and_copy_to_raise_and_the_live_weights_co
 
     with ema.average_weights(model):  # the control: the guard switched off, as before the fix
         ema._swap = None
-        ema.update(model)  # accepted: averages the live weights (in the shadow) towards the average (in the model)
-    assert not same(model.state_dict(), live)  # the block ended without the live weights
+        ema.update(model)  # accepted: averages the average (in the model) into itself
+    assert (ema.step, ema.num_updates) == (2, 2) and same(ema.shadow, average)  # an update counted, nothing learnt
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_inside_average_weights_shadow_and_state_dict_hand_out_the_average(
-    device: str, tmp_path, monkeypatch: pytest.MonkeyPatch
+def test_inside_average_weights_shadow_and_state_dict_hold_the_average_apart_from_the_model(
+    device: str, tmp_path
 ) -> None:
     model, ema, live, average = swapped_pair(device)
     with ema.average_weights(model):
         assert same(ema.shadow, average) and same(model.state_dict(), average)
-        assert all(shares_storage(ema.shadow[k], v) for k, v in model.state_dict().items())  # aliases, no copy
+        assert not any(shares_storage(ema.shadow[k], v) for k, v in model.state_dict().items())
         state = ema.state_dict()
         torch.save(state, tmp_path / "ema.pt")
-        with monkeypatch.context() as guard_off:  # the control: the guard switched off, as before the fix
-            guard_off.setattr(ema, "_swap", None)
-            assert same(ema.state_dict()["shadow"], live)  # the live weights, handed out as the average
     assert same(torch.load(tmp_path / "ema.pt", weights_only=True)["shadow"], average)
-    assert same(model.state_dict(), live) and same(ema.shadow, average)
-    assert same(state["shadow"], live)  # aliases of the model's tensors: saved inside the block, or stale after
-    staged = EMA(model, shadow_dtype=torch.float64)  # groups backed up instead of swapped: the shadow keeps it
-    with staged.average_weights(model):
-        assert all(staged.shadow[k] is v for k, v in staged._shadow.items() if v.dtype == torch.float64)
-        assert sum(v.dtype == torch.float64 for v in staged._shadow.values()) == 8  # all but num_batches_tracked
+    assert same(model.state_dict(), live) and same(state["shadow"], average)  # still the average after the block
+
+    scratch_swap(model, ema)  # the control: inside the swap before the fix, the shadow held the live weights
+    assert same(ema.state_dict()["shadow"], live)
+    scratch_swap(model, ema)
 
 
 def test_load_state_dict_inside_average_weights_loads_the_average_and_the_live_weights_come_back() -> None:
@@ -287,28 +324,31 @@ def test_load_state_dict_inside_average_weights_loads_the_average_and_the_live_w
         assert same(model.state_dict(), loaded)  # the block goes on with the loaded average
     assert same(model.state_dict(), live) and same(ema.shadow, loaded)
 
-    with ema.average_weights(model):  # the control: the guard switched off, as before the fix
+    with ema.average_weights(model):  # the control: the guard switched off
         ema._swap = None
-        ema.load_state_dict(EMA(net()).state_dict())  # written where the live weights are during the swap
-    assert not same(model.state_dict(), live)
+        ema.load_state_dict(EMA(net()).state_dict())
+        assert not same(model.state_dict(), cloned(ema.shadow))  # the block goes on with the average before the load
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_nested_average_weights_changes_nothing_and_restores_bit_exactly(device: str) -> None:
     model, ema, live, average = swapped_pair(device)
     with ema.average_weights(model):
-        with ema.average_weights(model) as inner:
+        with MemoryProbe(device) as inner_memory, ema.average_weights(model) as inner:
             assert inner is model and same(model.state_dict(), average)
         assert ema.swapped and same(model.state_dict(), average)
+    assert inner_memory.peak_bytes == 0  # no second backup
     assert same(model.state_dict(), live) and same(ema.shadow, average) and not ema.swapped
     with pytest.raises(KeyboardInterrupt), ema.average_weights(model), ema.average_weights(model):
         raise KeyboardInterrupt
     assert same(model.state_dict(), live) and same(ema.shadow, average) and not ema.swapped
 
-    with ema.average_weights(model):  # the control: the guard switched off, as before the fix
-        ema._swap = None
-        with ema.average_weights(model):
-            assert same(model.state_dict(), live)  # the inner block swapped back: it runs with the live weights
+    with pytest.raises(RuntimeError, match="written inside the block"), ema.average_weights(model):
+        ema._swap = None  # the control: the guard switched off
+        with MemoryProbe(device) as control, ema.average_weights(model):
+            pass
+    assert control.peak_bytes > 0  # a second backup, of the average the model already held...
+    assert same(model.state_dict(), live) and same(ema.shadow, average)  # ...and its writes refused by the outer block
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -325,6 +365,9 @@ def test_export_is_a_new_module_holding_the_average(device: str, tmp_path) -> No
     assert not any(shares_storage(t, x) for t in exported.state_dict().values() for x in ours)
     torch.save(exported.state_dict(), tmp_path / "ema_model.pt")
     assert same(torch.load(tmp_path / "ema_model.pt", weights_only=True), average)
+
+    model.train()
+    assert not ema.export().training  # a copy for inference, in eval mode, whatever the model's mode
 
     with ema.average_weights(model) as swapped:
         inside = ema.export()
@@ -440,3 +483,26 @@ def test_integer_buffers_are_copied_where_averaged_model_freezes_them() -> None:
     assert model[1].num_batches_tracked.item() == 100
     assert ema.shadow["1.num_batches_tracked"].item() == 100
     assert peer.module[1].num_batches_tracked.item() == 1  # the control: frozen by truncation
+
+
+def test_initial_share_and_a_warning_when_a_mostly_initial_average_is_first_used() -> None:
+    """The default ramp's first decay is 0: the average never keeps the weights it was built from. A constant 0.999
+    over a 300-step run keeps 74% of them (a DCGAN's EMA samples collapsed so)."""
+    model = net()
+    ramped, constant = EMA(model, decay=0.999), EMA(model, decay=0.999, warmup=False)
+    assert ramped.warmup and ramped.initial_share == constant.initial_share == 1.0
+    for _ in range(300):
+        perturb(model, 0.01)
+        ramped.update(model)
+        constant.update(model)
+    assert ramped.initial_share == 0.0
+    assert constant.initial_share == pytest.approx(0.999**300) and 0.74 < constant.initial_share < 0.75
+    mostly_initial = r"the average is still 74% the weights it started from after 300 updates"
+    with pytest.warns(RuntimeWarning, match=mostly_initial), constant.average_weights(model):
+        pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        constant.export()  # once per EMA
+        with ramped.average_weights(model):
+            pass
+        ramped.copy_to(net())

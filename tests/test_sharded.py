@@ -65,14 +65,14 @@ def test_update_issues_no_collective_and_allocates_nothing_where_the_gather_base
         assert all(peak >= FULL_PARAMETER_BYTES for peak in ema["control_peak"])  # the full parameters, gathered
 
 
-def test_average_weights_swaps_shards_with_the_unsharded_guarantees(ranks: list[dict]) -> None:
+def test_average_weights_copies_shards_in_with_the_unsharded_guarantees(ranks: list[dict]) -> None:
     for rank in ranks:
         swap = rank["ema"]["swap"]
         assert torch.equal(swap["average"], swap["replica_average"])  # the forward sees the average, all of it
         assert torch.equal(swap["live"], swap["replica_live"])
         assert torch.equal(swap["nested"], swap["average"])  # a nested block changes nothing
         assert torch.equal(swap["after"], swap["live"]) and torch.equal(swap["after_exception"], swap["live"])
-        assert swap["shadow_aliases"]  # inside, `shadow` is the model's own shards: no copy
+        assert swap["shadow_apart"]  # inside, `shadow` is the shadow's own shards, apart from the model's copy
         assert same(swap["inside_state"], rank["ema"]["reference"])  # state_dict inside the block: the average
         assert swap["guards"] == [
             "EMA.update inside EMA.average_weights",

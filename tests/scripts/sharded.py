@@ -170,8 +170,8 @@ def ema_checks(rank: int, mesh: DeviceMesh, directory: Path) -> dict[str, Any]:
             with ema.average_weights(model):
                 nested_out = model(x)
             model.reshard()  # the sharded parameters registered again, to compare with
-            shadow_aliases = all(
-                storage_key(ema.shadow[k].to_local()) == storage_key(p.to_local()) for k, p in model.named_parameters()
+            shadow_apart = all(
+                storage_key(ema.shadow[k].to_local()) != storage_key(p.to_local()) for k, p in model.named_parameters()
             )
             inside_state = cpu({k: full(v) for k, v in ema.state_dict()["shadow"].items()})
             guards = []
@@ -194,7 +194,7 @@ def ema_checks(rank: int, mesh: DeviceMesh, directory: Path) -> dict[str, Any]:
         out["swap"] = {
             "live": live_out, "average": average_out, "nested": nested_out, "after": after_out,
             "after_exception": after_exception_out, "replica_average": averaged_replica(x),
-            "replica_live": live_replica(x), "shadow_aliases": shadow_aliases, "inside_state": inside_state,
+            "replica_live": live_replica(x), "shadow_apart": shadow_apart, "inside_state": inside_state,
             "guards": guards, "swapped_after": ema.swapped,
         }  # fmt: skip
         model(x)  # the root gathers its parameters again
