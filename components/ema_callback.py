@@ -1,24 +1,34 @@
 """``EMACallback``: keep an ``EMA`` of a LightningModule during ``fit``, evaluate with it, checkpoint it.
 
 Copy contract: the shadow is the ``EMA``'s own tensors (see ``components.ema``), never a deep copy of the
-LightningModule and never in its ``parameters()``; evaluation swaps the averaged values in place and back,
-bit for bit, through one scratch buffer the size of the largest tensor.
+LightningModule and never in its ``parameters()``; evaluation copies the average into the module and the live values
+back, bit for bit, through one backup of the live values held for the pass; nothing the pass writes into the module
+reaches the average.
 
 * Updates after every optimizer step (so once per ``accumulate_grad_batches`` batches), from
-  ``start_step`` on, every ``update_every`` steps.
+  ``start_step`` on, every ``update_every`` steps. The step is read once training starts, after Lightning restored a
+  resumed run's counters, so a resumed run makes exactly the updates the uninterrupted one makes, with any
+  accumulation (``tests/test_ema_callback.py`` resumes at every step).
 * ``evaluate="both"`` (default): each validation (and test) epoch runs twice, first with the EMA weights,
   logging every metric the module logs under its name plus ``suffix`` (``val/acc`` -> ``val/acc_ema``),
   then with the live weights as usual. The EMA pass runs without the other callbacks, so checkpointing,
   early stopping and the progress bar act once, on the live pass, and see both sets of metrics.
   ``"ema"``: evaluate with the EMA weights only, under the module's own names. ``"live"``: no EMA evaluation.
+* ``checkpoint_weights="ema"`` (default): a checkpoint's weights (``state_dict``) are the average, so
+  ``MyModule.load_from_checkpoint(path)`` returns the averaged model, as Lightning's ``EMAWeightAveraging`` does; the
+  live weights go into the callback state (``live``) and ``trainer.fit(ckpt_path=...)`` with this callback copies them
+  back into the module after Lightning loaded the average, so resuming stays bit-exact. Where the shadow's dtype is
+  the weights', ``state_dict`` and the EMA state hold the same tensors, which ``torch.save`` stores once. A
+  weights-only save holds the average (the module holds it while Lightning saves). ``"live"``: ``state_dict`` holds the
+  live weights and the average is only in the EMA state. Resumed without this callback, a checkpoint of ``"ema"``
+  trains on from the average (Lightning warns that the checkpoint's callback is missing).
 * Checkpoints hold the EMA state (callback state, tensors and numbers only: loads with
   ``weights_only=True``); resuming restores it, so a resumed run continues the same average.
-* Every checkpoint holds the live weights in ``state_dict`` and the average in the EMA state, whenever it is
-  saved. A save during an EMA pass (``ModelCheckpoint`` on validation end, a mid-epoch validation, a callback
-  or module hook calling ``trainer.save_checkpoint``, weights-only ones included) steps out of the pass: the live
-  weights are swapped back in for the save and the average after it, in place (two more swaps, no copy kept),
+* Whenever a checkpoint is saved, it holds the same thing: a save during an EMA pass (``ModelCheckpoint`` on
+  validation end, a mid-epoch validation, a callback or module hook calling ``trainer.save_checkpoint``, weights-only
+  ones included) steps out of the pass: the live weights are copied back for the save and the average in after it,
   with every callback present even while the ``"both"`` pass silences them. An exception in a pass, or
-  ``KeyboardInterrupt``, swaps the live weights back before Lightning's ``on_exception`` hooks
+  ``KeyboardInterrupt``, restores the live weights before Lightning's ``on_exception`` hooks
   (``OnExceptionCheckpoint``) run. To keep the EMA weights as a model, use ``callback.ema.export()``.
 * ``ema_weights_at_end=True`` writes the EMA weights into the module when ``fit`` ends.
 * Under DDP every rank keeps its own EMA. Parameters are identical across ranks after each step, but
@@ -31,7 +41,8 @@ bit for bit, through one scratch buffer the size of the largest tensor.
   rank, which is also what a distributed checkpoint keeps: one copy of a tensor that is not sharded). Checkpoints
   hold the average in the form Lightning gives the weights: with a distributed checkpoint (a directory, the
   default), the shadow's shards are written into it beside the weights' (each rank writes its own; the callback
-  state keeps the counters, the layout and each tensor's key there) and read back from it on resume; with
+  state keeps the counters, the layout and each tensor's key there; with ``checkpoint_weights="ema"`` the weights'
+  entries are the average and the live shards get keys of their own) and read back from it on resume; with
   ``save_distributed_checkpoint=False`` (one file of full weights), the average is gathered into full tensors for
   it, and each rank takes its own part back on resume. Either way a checkpoint spread otherwise than the model
   (another world size or placement) is refused, naming both (``CheckpointMismatch``, a ``ValueError``).
@@ -50,23 +61,25 @@ import torch.distributed as dist
 from components._flat import flat_views
 from components._foreach_writes import foreach_copy_
 from components._module_tensors import TensorRefs, state_entries
-from components._sharding import is_sharded
+from components._sharding import is_sharded, local, local_part, reshard
 from components.ema import EMA
 from components.resume import CheckpointMismatch
 
 __all__ = ["EMACallback"]
 
 _EVALUATE = ("both", "ema", "live")
+_CHECKPOINT_WEIGHTS = ("ema", "live")
 
 
 class EMACallback(pl.Callback):
-    """Args: those of ``EMA`` (``decay`` … ``device``), plus ``evaluate``, ``suffix`` and ``ema_weights_at_end``."""
+    """Args: those of ``EMA`` (``decay`` … ``device``), plus ``evaluate``, ``suffix``, ``checkpoint_weights`` and
+    ``ema_weights_at_end``."""
 
     def __init__(
         self,
         decay: float = 0.999,
         *,
-        warmup: bool = False,
+        warmup: bool = True,
         warmup_power: float = 2 / 3,
         update_every: int = 1,
         start_step: int = 0,
@@ -75,10 +88,13 @@ class EMACallback(pl.Callback):
         device: str | None = None,
         evaluate: str = "both",
         suffix: str = "_ema",
+        checkpoint_weights: str = "ema",
         ema_weights_at_end: bool = False,
     ) -> None:
         if evaluate not in _EVALUATE:
             raise ValueError(f"evaluate must be one of {_EVALUATE}, got {evaluate!r}")
+        if checkpoint_weights not in _CHECKPOINT_WEIGHTS:
+            raise ValueError(f"checkpoint_weights must be one of {_CHECKPOINT_WEIGHTS}, got {checkpoint_weights!r}")
         if not suffix:
             raise ValueError("suffix must be a non-empty string")
         self._ema_kwargs: dict[str, Any] = {
@@ -94,6 +110,7 @@ class EMACallback(pl.Callback):
         EMA(torch.nn.Linear(1, 1), **self._ema_kwargs)  # fail now, not at the first step, on bad arguments
         self.evaluate = evaluate
         self.suffix = suffix
+        self.checkpoint_weights = checkpoint_weights
         self.ema_weights_at_end = ema_weights_at_end
         self.ema: EMA | None = None
         self._pending: dict[str, Any] | None = None
@@ -119,11 +136,11 @@ class EMACallback(pl.Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._trainer = trainer
+        self._wrap(trainer, "save_checkpoint", self._save_outside_the_pass)
         if self.evaluate == "live":
             return
         for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop):
             self._wrap(loop, "run", lambda run: self._evaluate_with_ema(trainer, pl_module, run))
-        self._wrap(trainer, "save_checkpoint", self._save_outside_the_pass)
 
     def _wrap(self, owner: Any, name: str, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
         if name not in vars(owner):  # not wrapped yet
@@ -154,13 +171,17 @@ class EMACallback(pl.Callback):
         return run_with_ema
 
     def _save_outside_the_pass(self, save: Callable[..., None]) -> Callable[..., None]:
-        """``trainer.save_checkpoint``, which during an EMA pass saves with the live weights in the module."""
+        """``trainer.save_checkpoint``, which during an EMA pass saves with the live weights in the module; a
+        weights-only save with ``checkpoint_weights="ema"`` saves with the average in it (Lightning calls no callback
+        hook for those, and they are for inference)."""
 
-        def save_checkpoint(*args: Any, **kwargs: Any) -> None:
-            if self._pass is None:
-                return save(*args, **kwargs)
-            with self._pass.stepped_out():
-                return save(*args, **kwargs)
+        def save_checkpoint(filepath: Any, weights_only: bool | None = None, *args: Any, **kwargs: Any) -> None:
+            with ExitStack() as stack:
+                if self._pass is not None:
+                    stack.enter_context(self._pass.stepped_out())
+                if weights_only and self.checkpoint_weights == "ema" and self.ema is not None:
+                    stack.enter_context(self.ema.average_weights())
+                return save(filepath, weights_only, *args, **kwargs)
 
         return save_checkpoint
 
@@ -168,6 +189,10 @@ class EMACallback(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._ensure_ema(pl_module)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Not in on_fit_start: Lightning restores the loop counters of a resumed run between the two, and a
+        # global_step read before that (0) made the first micro-batch after a resume count as an optimizer step.
         self._last_step = trainer.global_step
 
     def on_train_batch_end(
@@ -209,18 +234,43 @@ class EMACallback(pl.Callback):
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        """A sharded average goes where Lightning puts the sharded weights: its shards into the distributed
-        checkpoint, each under a key the callback state names; or, for one file of full weights, gathered."""
-        state = checkpoint.get("callbacks", {}).get(self.state_key, {}).get("ema")
-        if self.ema is None or state is None or not self.ema.sharded:
+        """With ``checkpoint_weights="ema"``, the checkpoint's weights become the average and the live weights go
+        into the callback state (``live``). A sharded average goes where Lightning puts the sharded weights: its shards
+        into the distributed checkpoint, each under a key the callback state names; or, for one file of full weights,
+        gathered."""
+        ours = checkpoint.get("callbacks", {}).get(self.state_key, {})
+        state = ours.get("ema")
+        if self.ema is None or state is None:
             return
         weights = checkpoint["state_dict"]
+        if self.checkpoint_weights == "ema" and self.ema.sharded and not any(is_sharded(t) for t in weights.values()):
+            state["shadow"] = self.ema.full_state_dict()  # one file: every rank joins the gathers, rank 0 writes
+        if self.checkpoint_weights == "ema" and weights:
+            ours["live"] = _average_into_weights(weights, state["shadow"])
+        if not self.ema.sharded:
+            return
         if any(is_sharded(t) for t in weights.values()):  # a distributed checkpoint: every rank writes its shards
-            keys = {name: f"{self.state_key}/ema/shadow/{name}" for name in state["shadow"]}
-            weights.update({keys[name]: tensor for name, tensor in state["shadow"].items()})
-            state["shadow"] = keys
-        else:  # one file, written by rank 0 (the others' weights are empty here): every rank joins the gathers
+            state["shadow"] = _stored_under_keys(weights, state["shadow"], f"{self.state_key}/ema/shadow")
+            if "live" in ours:
+                ours["live"] = _stored_under_keys(weights, ours["live"], f"{self.state_key}/live")
+        elif self.checkpoint_weights == "live":  # one file, written by rank 0 (the others' weights are empty here)
             state["shadow"] = self.ema.full_state_dict()
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """A checkpoint whose weights are the average (``checkpoint_weights="ema"``) holds the live weights in the
+        callback state: Lightning has loaded the average into the module by now, so they are copied back in, in
+        place, and training resumes from the live weights."""
+        live = checkpoint.get("callbacks", {}).get(self.state_key, {}).get("live")
+        if live is None:
+            return
+        try:
+            if live and all(isinstance(key, str) for key in live.values()):
+                live = self._read_from_distributed_checkpoint(pl_module.state_dict(keep_vars=True), live)
+            _copy_into_module(pl_module, live)
+        except ValueError as err:
+            raise CheckpointMismatch(str(err)) from err
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "ema" not in state_dict:
@@ -242,17 +292,71 @@ class EMACallback(pl.Callback):
     def _read_distributed_checkpoint(self, ema: EMA, state: Mapping[str, Any]) -> dict[str, Any]:
         """The state with its shadow read from the distributed checkpoint being restored (every rank its shards),
         after checking that it is spread as the model is: ``torch.distributed.checkpoint`` would reshard silently."""
+        keys: Mapping[str, str] = state["shadow"]
+        holders = {name: torch.empty_like(ema.shadow[name]) if name in ema.shadow else None for name in keys}
+        read = {**state, "shadow": holders}
+        ema.check_state(read)
+        return {**read, "shadow": self._read_from_distributed_checkpoint(ema.shadow, keys)}
+
+    def _read_from_distributed_checkpoint(
+        self, like: Mapping[str, torch.Tensor], keys: Mapping[str, str]
+    ) -> dict[str, torch.Tensor]:
+        """New tensors spread as ``like``'s, read from the keys of the distributed checkpoint being restored."""
         from torch.distributed.checkpoint import load
 
         path = self._trainer.ckpt_path if self._trainer is not None else None
         if path is None:
             raise ValueError("the EMA state names tensors in a distributed checkpoint, but no checkpoint is being read")
-        keys: Mapping[str, str] = state["shadow"]
-        holders = {name: torch.empty_like(ema.shadow[name]) if name in ema.shadow else None for name in keys}
-        read = {**state, "shadow": holders}
-        ema.check_state(read)
+        missing = sorted(set(keys) - set(like))
+        if missing:
+            raise ValueError(f"the checkpoint's EMA state names tensors the model does not have: {missing[:5]}")
+        holders = {name: torch.empty_like(like[name]) for name in keys}
         load({"state_dict": {keys[name]: holder for name, holder in holders.items()}}, checkpoint_id=path)
-        return read
+        return holders
+
+
+def _average_into_weights(
+    weights: dict[str, torch.Tensor], average: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Put the average into a checkpoint's weights (the shadow's own tensors where the dtypes agree: ``torch.save``
+    then stores them once for both entries; a cast copy otherwise); return the live entries they replaced."""
+    live = {}
+    for name, tensor in average.items():
+        if name in weights:
+            live[name] = weights[name]
+            weights[name] = tensor if tensor.dtype == live[name].dtype else tensor.to(live[name].dtype)
+    return live
+
+
+def _stored_under_keys(
+    weights: dict[str, torch.Tensor], tensors: Mapping[str, torch.Tensor], prefix: str
+) -> dict[str, str]:
+    """Put tensors into a distributed checkpoint's weights, each under a key of its own unless the weights already
+    hold that very tensor under its name; return each name's key."""
+    keys = {}
+    for name, tensor in tensors.items():
+        keys[name] = name if weights.get(name) is tensor else f"{prefix}/{name}"
+        weights[keys[name]] = tensor
+    return keys
+
+
+def _copy_into_module(module: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> None:
+    """Copy tensors into a module's parameters and buffers by ``state_dict`` name, in place (a sharded module takes
+    ``DTensor``s or full tensors, of which each rank copies its own part), then drop FSDP2's gathered copies."""
+    targets = module.state_dict(keep_vars=True)
+    for name, value in values.items():
+        if name not in targets or tuple(targets[name].shape) != tuple(value.shape):
+            found = tuple(targets[name].shape) if name in targets else "nothing"
+            raise ValueError(
+                f"the checkpoint's live weights do not fit the model: {name!r} {tuple(value.shape)} vs {found}"
+            )
+    with torch.no_grad():
+        for name, value in values.items():
+            target = targets[name]
+            if is_sharded(target) and not is_sharded(value):
+                value = local_part(value, target)
+            local(target).copy_(local(value))
+    reshard(module)
 
 
 def _flat_buffers(module: torch.nn.Module) -> list[tuple[TensorRefs, torch.Tensor, list[torch.Tensor]]]:

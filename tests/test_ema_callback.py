@@ -198,24 +198,36 @@ def same(state: State, expected: State) -> bool:
 
 
 def verdict(path: Path, truth: Truth, state_key: str) -> str:
-    """What a checkpoint holds, against the live weights and the average at its global step."""
+    """What a checkpoint holds, against the live weights and the average at its global step. Right: the average as
+    the weights with the live weights in the callback state (``checkpoint_weights="ema"``, the default) or the live
+    weights as the weights (``"live"``), the average in the EMA state either way; a weights-only save, the average
+    (``"ema"``) or the live weights (``"live"``) as the weights."""
     checkpoint = torch.load(path, weights_only=True)
     live, average = truth.at[checkpoint["global_step"]]
     assert not same(live, average)  # else the comparison below could not tell them apart
-    if not same(checkpoint["state_dict"], live):
-        return "state_dict holds the average" if same(checkpoint["state_dict"], average) else "state_dict: neither"
+    weights, mode = checkpoint["state_dict"], truth.ema.checkpoint_weights
     if "callbacks" not in checkpoint:
-        return "right (weights only)"
-    if state_key not in checkpoint["callbacks"]:
+        expected = average if mode == "ema" else live
+        return "right (weights only)" if same(weights, expected) else "weights only: not the expected weights"
+    ours = checkpoint["callbacks"].get(state_key)
+    if ours is None:
         return "no EMA state"
-    return "right" if same(checkpoint["callbacks"][state_key]["ema"]["shadow"], average) else "EMA state: not it"
+    saved_live = ours["live"] if mode == "ema" else weights
+    if not same(saved_live, live):
+        return "the live weights are the average" if same(saved_live, average) else "the live weights: neither"
+    if not same(ours["ema"]["shadow"], average) or (mode == "ema" and not same(weights, average)):
+        return "the average: not it"
+    return "right"
 
 
-def run_scenario(name: str, directory: Path, accelerator: str) -> tuple[list[str], Regressor, Truth, EMACallback]:
+def run_scenario(
+    name: str, directory: Path, accelerator: str, checkpoint_weights: str = "ema"
+) -> tuple[list[str], Regressor, Truth, EMACallback]:
     """Trains (and evaluates) a Regressor in one configuration that saves during an EMA pass; what each save holds."""
     both = name == "module hook, evaluate=both"
     shadow_dtype = torch.float64 if name == "staged shadow (float64)" else None
-    ema = EMACallback(decay=0.9, evaluate="both" if both else "ema", shadow_dtype=shadow_dtype)
+    evaluate = "both" if both else "ema"
+    ema = EMACallback(decay=0.9, evaluate=evaluate, shadow_dtype=shadow_dtype, checkpoint_weights=checkpoint_weights)
     truth = Truth(ema)
     callbacks: list[pl.Callback] = [ema, truth]
     kwargs: dict[str, Any] = {"accelerator": accelerator, "devices": 1}
@@ -257,11 +269,19 @@ SCENARIOS = [
 SAVES = {"mid-epoch validation": 4, "validate() and test()": 2, "module hook, evaluate=both": 4}  # others: 2
 
 
-@pytest.mark.parametrize("name", SCENARIOS)
+# Every scenario with the default checkpoint_weights="ema"; with "live", those where the two differ most.
+CASES = [(name, "ema") for name in SCENARIOS] + [
+    ("ModelCheckpoint on validation end", "live"),
+    ("weights-only ModelCheckpoint", "live"),
+    ("module hook, evaluate=both", "live"),
+]
+
+
+@pytest.mark.parametrize(("name", "checkpoint_weights"), CASES)
 def test_checkpoints_saved_during_the_ema_evaluation_hold_the_live_weights_and_the_average(
-    name: str, device: torch.device, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    name: str, checkpoint_weights: str, device: torch.device, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    verdicts, module, truth, ema = run_scenario(name, tmp_path / "fixed", device.type)
+    verdicts, module, truth, ema = run_scenario(name, tmp_path / "fixed", device.type, checkpoint_weights)
     expected = "right (weights only)" if "weights-only" in name else "right"
     assert verdicts == [expected] * SAVES.get(name, 2)
     assert ema.ema is not None and not ema.ema.swapped
@@ -269,8 +289,15 @@ def test_checkpoints_saved_during_the_ema_evaluation_hold_the_live_weights_and_t
 
     # The control: trainer.save_checkpoint left as it was before the fix.
     monkeypatch.setattr(EMACallback, "_save_outside_the_pass", lambda self, save: save)
-    verdicts, *_ = run_scenario(name, tmp_path / "control", device.type)
-    assert "state_dict holds the average" in verdicts, verdicts
+    verdicts, *_ = run_scenario(name, tmp_path / "control", device.type, checkpoint_weights)
+    if "weights-only" in name and checkpoint_weights == "ema":
+        assert verdicts == ["right (weights only)"] * 2  # saved inside the pass, the average: right by chance
+    elif "weights-only" in name:
+        assert "weights only: not the expected weights" in verdicts, verdicts
+    elif name == "module hook, evaluate=both":
+        assert "no EMA state" in verdicts, verdicts  # saved inside the pass, where no callback is present
+    else:
+        assert "the live weights are the average" in verdicts, verdicts
 
 
 def test_resume_from_a_checkpoint_saved_during_the_ema_evaluation_ends_bit_for_bit_as_the_straight_run(
@@ -351,7 +378,7 @@ def test_an_exception_in_the_ema_evaluation_restores_the_live_weights_before_lig
 
     monkeypatch.setattr(EMA, "average_weights", swaps_back_only_without_an_exception)  # the control
     result, module, truth = fail(tmp_path / "control")
-    assert result == "state_dict holds the average"
+    assert result == "the live weights are the average"
     assert not same(module.state_dict(), truth.at[max(truth.at)][0])
 
 
@@ -380,3 +407,119 @@ def test_bad_arguments_fail_at_construction() -> None:
         EMACallback(evaluate="sometimes")
     with pytest.raises(ValueError, match="decay must be in"):
         EMACallback(decay=1.5)
+
+
+class Clocked(Regressor):
+    """Each batch is drawn from (epoch, batch index), which Lightning restores on resume, so a run resumed mid-epoch
+    sees the batches the uninterrupted one saw (a plain DataLoader would start the epoch's data over)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(1000 * self.current_epoch + batch_idx)
+        x, y = torch.randn(16, 8, generator=generator), torch.randn(16, 1, generator=generator)
+        return nn.functional.mse_loss(self.net(x), y)
+
+
+def clock(batches: int = 6) -> DataLoader:
+    return DataLoader(range(batches), batch_size=None)
+
+
+def fit_clocked(
+    directory: Path, accumulate: int, update_every: int, ckpt_path: Path | None = None, save: bool = False
+) -> tuple[State, EMACallback]:
+    pl.seed_everything(0)
+    ema = EMACallback(decay=0.9, update_every=update_every, evaluate="live")
+    callbacks: list[pl.Callback] = [ema]
+    if save:  # a checkpoint after every optimizer step: what a run killed right after it would have left
+        callbacks.append(ModelCheckpoint(directory, filename="{step}", every_n_train_steps=1, save_top_k=-1))
+    module = Clocked()
+    t = trainer(directory, callbacks, accumulate_grad_batches=accumulate, limit_val_batches=0)
+    t.fit(module, clock(), ckpt_path=ckpt_path)
+    return module.state_dict(), ema
+
+
+def resumes_as_the_uninterrupted_run(tmp_path: Path, accumulate: int, update_every: int) -> list[int]:
+    """The steps at which a run killed there and resumed ends, live weights and average, unlike the straight run."""
+    live, straight = fit_clocked(tmp_path / "straight", accumulate, update_every, save=True)
+    assert straight.ema is not None and straight.ema.step == 12 // accumulate
+    paths = sorted((tmp_path / "straight").glob("step=*.ckpt"))
+    assert len(paths) == 12 // accumulate  # one per optimizer step, the last one included
+    differ = []
+    for path in paths:
+        step = int(path.stem.split("=")[1])
+        resumed_live, resumed = fit_clocked(tmp_path / f"resumed-{step}", accumulate, update_every, ckpt_path=path)
+        assert resumed.ema is not None
+        same_counters = (resumed.ema.step, resumed.ema.num_updates) == (straight.ema.step, straight.ema.num_updates)
+        if not (same_counters and same(resumed_live, live) and same(resumed.ema.shadow, straight.ema.shadow)):
+            differ.append(step)
+    return differ
+
+
+@pytest.mark.parametrize("update_every", [1, 3])
+@pytest.mark.parametrize("accumulate", [1, 2, 3])
+def test_a_run_killed_at_any_step_and_resumed_ends_bit_for_bit_as_the_uninterrupted_one(
+    accumulate: int, update_every: int, tmp_path: Path
+) -> None:
+    assert resumes_as_the_uninterrupted_run(tmp_path, accumulate, update_every) == []
+
+
+def test_the_control_reading_the_step_before_lightning_restores_it_updates_once_too_often(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def on_fit_start(self: EMACallback, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._ensure_ema(pl_module)
+        self._last_step = trainer.global_step  # before the fix: 0 here, also in a resumed run
+
+    monkeypatch.setattr(EMACallback, "on_fit_start", on_fit_start)
+    monkeypatch.setattr(EMACallback, "on_train_start", lambda *args: None)
+    assert resumes_as_the_uninterrupted_run(tmp_path, 2, 1) == [1, 2, 3, 4, 5]  # every mid-run kill
+
+
+class Wide(Regressor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(8, 256), nn.BatchNorm1d(256), nn.ReLU(), nn.Linear(256, 256), nn.Linear(256, 1)
+        )
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def train_wide(directory: Path, checkpoint_weights: str) -> tuple[Wide, EMACallback, Path]:
+    pl.seed_everything(0)
+    ema = EMACallback(decay=0.9, evaluate="live", checkpoint_weights=checkpoint_weights)
+    module = Wide()
+    save = ModelCheckpoint(directory, filename="last")
+    trainer(directory, [ema, save], max_epochs=1, limit_val_batches=0).fit(module, loader())
+    return module, ema, directory / "last.ckpt"
+
+
+@pytest.mark.parametrize("checkpoint_weights", ["ema", "live"])
+def test_load_from_checkpoint_returns_the_average_by_default(checkpoint_weights: str, tmp_path: Path) -> None:
+    module, ema, path = train_wide(tmp_path, checkpoint_weights)
+    assert ema.ema is not None
+    loaded = Wide.load_from_checkpoint(path, weights_only=True)  # what a user does for inference
+    average, live = dict(ema.ema.shadow), module.state_dict()
+    assert not same(live, average)
+    assert same(loaded.state_dict(), average if checkpoint_weights == "ema" else live)  # "live": the control
+
+
+def test_a_checkpoint_holding_the_average_as_weights_stores_it_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module, _, ema_path = train_wide(tmp_path / "ema", "ema")
+    _, _, live_path = train_wide(tmp_path / "live", "live")
+    weights = sum(t.numel() * t.element_size() for t in module.state_dict().values())
+    assert weights > 250_000
+    assert abs(ema_path.stat().st_size - live_path.stat().st_size) < 0.02 * weights  # both: the weights twice
+
+    import components.ema_callback as ema_callback  # the control: the average put in as a copy of the shadow
+
+    copy_in = ema_callback._average_into_weights
+    monkeypatch.setattr(
+        ema_callback,
+        "_average_into_weights",
+        lambda weights, average: copy_in(weights, {k: v.clone() for k, v in average.items()}),
+    )
+    _, _, copied_path = train_wide(tmp_path / "copied", "ema")
+    assert copied_path.stat().st_size - live_path.stat().st_size > 0.98 * weights  # the weights three times

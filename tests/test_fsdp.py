@@ -89,7 +89,8 @@ def test_the_ema_recipe_keeps_the_shards_of_one_average_per_rank(
     assert not torch.equal(rank0["ema_local"]["net.0.weight"], rank1["ema_local"]["net.0.weight"])
     dcp_to_torch_save(run / "checkpoints" / "last.ckpt", tmp_path / "last.pt")  # the shards, joined
     saved = torch.load(tmp_path / "last.pt", weights_only=True)["state_dict"]
-    assert torch.equal(saved[f"{KEY}/ema/shadow/net.0.weight"], rank0["ema"]["net.0.weight"])
+    assert torch.equal(saved["net.0.weight"], rank0["ema"]["net.0.weight"])  # the weights are the average
+    assert f"{KEY}/live/net.0.weight" in saved and f"{KEY}/ema/shadow/net.0.weight" not in saved  # written once
     assert warning_lines(result.stderr) == []
 
 
@@ -224,11 +225,11 @@ def test_a_killed_sharded_run_resumed_from_its_directory_ends_bit_for_bit_as_the
     final = read(run("full"), tmp_path / "full.pt")
     resumed = read(run("resumed", f"ckpt_path={killed}"), tmp_path / "resumed.pt")
     assert final["global_step"] == 4 * 45 and 0 < at_kill["global_step"] < final["global_step"]
-    assert f"{KEY}/ema/shadow/net.0.weight" in final["state_dict"]
+    assert f"{KEY}/live/net.0.weight" in final["state_dict"]
     assert differences(final, resumed) == []
 
     without_ema_state = "callbacks.ema._target_=tests.scripts.without_state.EMACallbackWithoutState"
     control = read(run("control", f"ckpt_path={killed}", without_ema_state), tmp_path / "control.pt")
     assert sorted(differences(final["state_dict"], control["state_dict"])) == sorted(
-        f"/{KEY}/ema/shadow/{name}" for name in final["callbacks"][KEY]["ema"]["shadow"] if "num_batches" not in name
+        f"/{name}" for name in final["callbacks"][KEY]["ema"]["shadow"] if "num_batches" not in name
     )  # the same weights, another average (only the counter of BatchNorm batches, copied, is the same)

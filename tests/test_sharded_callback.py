@@ -1,7 +1,8 @@
 """``EMACallback`` under Lightning's ``ModelParallelStrategy`` (FSDP2), 2 CPU processes over gloo
 (``tests/scripts/sharded_callback.py``): checkpoints hold the sharded average, in a distributed checkpoint directory
-or a single file, hold the live weights and the average when saved during the EMA evaluation, and resume bit for
-bit. Controls: a resume without the EMA state (a fresh average), and saving inside the EMA pass as before the fix."""
+or a single file, hold the average as the weights and the live weights in the callback state, also when saved during
+the EMA evaluation, and resume bit for bit. Controls: a resume without the EMA state (a fresh average), and saving
+inside the EMA pass as before the fix."""
 
 from __future__ import annotations
 
@@ -72,22 +73,29 @@ def test_checkpoints_saved_during_the_ema_evaluation_hold_the_live_weights_and_t
         checkpoint = read(path, tmp_path)
         live, average = truth[kind][checkpoint["global_step"]]
         assert not same(live, average)
-        assert same({k: checkpoint["state_dict"][k] for k in live}, live)
         state = checkpoint["callbacks"][KEY]["ema"]
         assert state["layout"]["net.0.weight"] == "Shard(dim=0) over a mesh of 2 ranks"
+        # checkpoint_weights="ema": the weights are the average, the live weights are in the callback state
+        assert same({k: checkpoint["state_dict"][k] for k in average}, average)
         if kind == "dcp":  # each tensor's key in the directory, where every rank wrote its shards
-            assert state["shadow"]["net.0.weight"] == f"{KEY}/ema/shadow/net.0.weight"
+            assert state["shadow"]["net.0.weight"] == "net.0.weight"  # the weights' own entry: written once
+            assert checkpoint["callbacks"][KEY]["live"]["net.0.weight"] == f"{KEY}/live/net.0.weight"
             saved = {name: checkpoint["state_dict"][key] for name, key in state["shadow"].items()}
+            saved_live = {
+                name: checkpoint["state_dict"][key] for name, key in checkpoint["callbacks"][KEY]["live"].items()
+            }
         else:  # gathered into full tensors for the one file
-            saved = state["shadow"]
-        assert same(saved, average)
+            saved, saved_live = state["shadow"], checkpoint["callbacks"][KEY]["live"]
+        assert same(saved, average) and same({k: saved_live[k] for k in live}, live)
 
 
-def test_the_control_saving_inside_the_ema_pass_puts_the_average_into_state_dict(
+def test_the_control_saving_inside_the_ema_pass_loses_the_live_weights(
     runs: tuple[Path, list[dict], dict], tmp_path: Path
 ) -> None:
     out, _, truth = runs
     checkpoint = read(out / "unfixed" / "epoch=1.ckpt", tmp_path)
     live, average = truth["unfixed"][checkpoint["global_step"]]
-    assert same({k: checkpoint["state_dict"][k] for k in average}, average)
-    assert not same({k: checkpoint["state_dict"][k] for k in live}, live)
+    keys = checkpoint["callbacks"][KEY]["live"]
+    saved_live = {name: checkpoint["state_dict"][key] for name, key in keys.items()}
+    assert same({k: saved_live[k] for k in average}, average)  # the average, saved as the live weights
+    assert not same({k: saved_live[k] for k in live}, live)
