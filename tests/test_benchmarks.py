@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
     ("bench_gan.py", "gan-cpu", "| 64, 256 | ours: G once, detach, frozen D |", "time / ours"),
     ("bench_loading.py", "loading-cpu", "| DeviceDataLoader (cpu) |", "time / bare loader"),
     ("bench_sharded.py", "sharded-cpu", "| components.EMA (sharded) | 2 |", "each rank alone (/ N=1)"),
+    ("bench_replay.py", "replay-cpu", "| 10 adds + sample 128 (CleanRL's cadence) |", "peer / ours"),
 ])  # fmt: skip
 def test_benchmark_writes_its_section_and_keeps_the_others(
     script: str, key: str, first_row: str, ratio: str, tmp_path: Path
@@ -36,6 +37,15 @@ def test_benchmark_writes_its_section_and_keeps_the_others(
     text = output.read_text()
     assert text.count(f"<!-- {key}:start -->") == 1 and "kept" in text
     assert first_row in text and ratio in text
+
+
+@pytest.mark.parametrize("args", [["--budget", "0"], ["--budget", "soon"], ["--no-such-option"]])
+def test_a_bad_argument_is_one_line_and_status_2(args: list[str]) -> None:
+    result = subprocess.run(
+        [sys.executable, "scripts/bench_replay.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert result.stderr.startswith("bench_replay.py: ")
 
 
 def test_cuda_mode_without_a_gpu_is_a_clear_error() -> None:
