@@ -7,6 +7,7 @@ variant of the same code does not, and GraphRetentionGuard names where the graph
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from torchmetrics.classification import MulticlassAUROC
 
 import train
 from components import CopyAudit, GraphRetentionError, GraphRetentionGuard, StepProbe
+from components.probes._storage_events import human_bytes
 from recipes.digits import DigitsDataModule
 from recipes.metrics import DigitsClassifier
 from tests.conftest import DEVICES, QUIET, compose_config
@@ -25,6 +27,7 @@ from tests.conftest import DEVICES, QUIET, compose_config
 HIDDEN = 128
 BATCH = 16
 ACTIVATION_BYTES = BATCH * HIDDEN * 4  # one hidden layer's output for one batch, float32
+PROBE_GRAPH_BYTES = 2 * ACTIVATION_BYTES  # what a probe forward's graph saved: both hidden layers' outputs
 
 
 def test_recipe_keeps_no_memory_over_200_steps(tmp_path: Path) -> None:
@@ -173,6 +176,7 @@ def test_control_leaks_an_activation_per_step_and_its_fix_does_not(name: str) ->
     print(f"{name}: {leaking:.0f} B/step undetached, {fixed:.0f} B/step detached; activation {ACTIVATION_BYTES} B")
     assert leaking >= ACTIVATION_BYTES
     assert fixed < ACTIVATION_BYTES / 4  # what the fix keeps: the (small) values themselves
+    assert round(leaking - fixed) == PROBE_GRAPH_BYTES  # what the guard reports for it (test_guard_names_the_leak)
 
 
 def test_backward_frees_the_activations_of_a_kept_loss_path_tensor_but_not_its_graph() -> None:
@@ -184,14 +188,18 @@ def test_backward_frees_the_activations_of_a_kept_loss_path_tensor_but_not_its_g
     fixed = _growth_per_step(KeepsLossPathLogits(detach=True))
     print(f"loss-path logits: {leaking:.0f} B/step undetached, {fixed:.0f} B/step detached")
     assert leaking == fixed == logits_bytes
-    with pytest.raises(GraphRetentionError, match=r"module\.kept\[0\]"):
+    with pytest.raises(GraphRetentionError, match=r"module\.kept\[0\] \(0 B\)\. A graph at 0 B"):
         _fit(KeepsLossPathLogits(detach=False), [GraphRetentionGuard()], max_steps=2)
+    _fit(KeepsLossPathLogits(detach=False), [GraphRetentionGuard(min_bytes=1)], max_steps=2)  # nodes only: passes
 
 
 @pytest.mark.parametrize("name", CONTROLS)
 def test_guard_names_the_leak(name: str) -> None:
+    """... and the bytes its graph keeps alive: the two hidden activations of the probe forward, what the control
+    test measures each step to leave behind (its input, ``module.probe_x``, is held by the module: not counted)."""
     cls, path = CONTROLS[name]
-    with pytest.raises(GraphRetentionError, match=rf"step 1: .*{path.replace('[', '.').replace(']', '.')}"):
+    shown = rf"{re.escape(path)} \({re.escape(human_bytes(PROBE_GRAPH_BYTES))}\)"
+    with pytest.raises(GraphRetentionError, match=rf"step 1: 1 tensor\(s\) .*: {shown}\."):
         _fit(cls(detach=False), [GraphRetentionGuard()], max_steps=3)
     _fit(cls(detach=True), [GraphRetentionGuard()], max_steps=3)  # control: the fix passes the guard
 
