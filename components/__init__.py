@@ -2,7 +2,9 @@
 
 Two groups, and one direction between them: the probes (``components/probes/``) measure; the training parts
 (the other modules here) train, and never import a probe, so a project can take a training part without them.
-Every name is importable from ``components``.
+Every name is importable from ``components``, and imported from its module on first use (``components/_lazy.py``):
+taking one tensor utility imports its module and what that needs, not Lightning, which only the Lightning callbacks
+import.
 
 Probes (``components.probes``, usable on any PyTorch code):
     CopyAudit            every op that allocates storage or writes in place, with bytes
@@ -10,10 +12,11 @@ Probes (``components.probes``, usable on any PyTorch code):
     TensorEvent          one tensor an op touched, as ``CopyAudit`` records it: op, alloc or write, bytes, dtype, shape
     MemoryProbe          peak / net bytes of the storage a block creates, one ledger on every device
     find_graph_refs      paths of tensors that keep an autograd graph alive
+    graph_bytes          bytes of storage a tensor's autograd graph keeps alive (what ``.detach()`` would free)
     shares_storage       storage-level aliasing (not ``data_ptr()`` equality)
     storage_key          the identity of a tensor's storage, comparable across views
     StepProbe            Lightning callback: audits one training batch's copies, measures memory growth per batch
-    GraphRetentionGuard  Lightning callback: fails a run the step a graph leaks into outputs, attributes or metrics
+    GraphRetentionGuard  fails a loop (``check``) or a Lightning run the step a graph leaks, with the bytes it keeps
     GraphRetentionError  what ``GraphRetentionGuard`` raises
 
 Training parts:
@@ -38,26 +41,31 @@ Training parts:
     RunSummary           Lightning callback: writes ``summary.json`` (final metrics, recipe, seed)
 """
 
-from components.atomic_checkpoint import AtomicCheckpointIO
-from components.atomic_sharded_checkpoint import AtomicModelParallelStrategy
-from components.data_wait import DataWaitMonitor
-from components.device_loader import DeviceDataLoader, make_loader
-from components.ema import EMA
-from components.ema_callback import EMACallback
-from components.freeze import frozen
-from components.grad_average import GradientAverager
-from components.prefetch import DevicePrefetcher, map_tensors
-from components.probes.collective_probe import CollectiveProbe
-from components.probes.copy_audit import CopyAudit, TensorEvent
-from components.probes.graph_guard import GraphRetentionError, GraphRetentionGuard
-from components.probes.graph_refs import find_graph_refs
-from components.probes.memory_probe import MemoryProbe
-from components.probes.step_probe import StepProbe
-from components.probes.storage import shares_storage, storage_key
-from components.replay import ReplayBuffer
-from components.resume import CheckpointMismatch, ResumeState, check_checkpoint
-from components.run_summary import RunSummary
-from components.target import hard_update, make_target, soft_update
+from typing import TYPE_CHECKING
+
+from components._lazy import lazy_exports
+
+if TYPE_CHECKING:  # the exports, each imported from its module on first use (components/_lazy.py)
+    from components.atomic_checkpoint import AtomicCheckpointIO
+    from components.atomic_sharded_checkpoint import AtomicModelParallelStrategy
+    from components.data_wait import DataWaitMonitor
+    from components.device_loader import DeviceDataLoader, make_loader
+    from components.ema import EMA
+    from components.ema_callback import EMACallback
+    from components.freeze import frozen
+    from components.grad_average import GradientAverager
+    from components.prefetch import DevicePrefetcher, map_tensors
+    from components.probes.collective_probe import CollectiveProbe
+    from components.probes.copy_audit import CopyAudit, TensorEvent
+    from components.probes.graph_guard import GraphRetentionError, GraphRetentionGuard
+    from components.probes.graph_refs import find_graph_refs, graph_bytes
+    from components.probes.memory_probe import MemoryProbe
+    from components.probes.step_probe import StepProbe
+    from components.probes.storage import shares_storage, storage_key
+    from components.replay import ReplayBuffer
+    from components.resume import CheckpointMismatch, ResumeState, check_checkpoint
+    from components.run_summary import RunSummary
+    from components.target import hard_update, make_target, soft_update
 
 __all__ = [
     "EMA",
@@ -81,6 +89,7 @@ __all__ = [
     "TensorEvent",
     "check_checkpoint",
     "find_graph_refs",
+    "graph_bytes",
     "frozen",
     "hard_update",
     "make_loader",
@@ -90,3 +99,5 @@ __all__ = [
     "soft_update",
     "storage_key",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__)

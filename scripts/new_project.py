@@ -39,6 +39,10 @@ from itertools import pairwise
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run as a script: ROOT is not on the path yet
+
+from components._lazy import type_checking_imports  # noqa: E402
+
 TESTS = "tests"
 _RECIPE_REF = re.compile(r"(?<![\w.])\+{0,2}recipe=(\w+)")
 _DEP_NAME = re.compile(r'^\s*"([A-Za-z0-9][A-Za-z0-9._-]*)')
@@ -98,9 +102,20 @@ class SourceTree:
         return self.paths[module].name == "__init__.py"
 
     def exports(self, package: str) -> dict[str, str] | None:
-        """Name -> submodule for a package whose ``__init__`` only re-exports its submodules' names, else None."""
+        """Name -> submodule for a package whose ``__init__`` only re-exports its submodules' names, else None.
+
+        A lazy ``__init__`` (``components/_lazy.py``) lists them under ``if TYPE_CHECKING:``; an eager one imports them
+        at the top level and does nothing else."""
         if package not in self.paths or not self.is_package(package):
             return None
+        lazy = {
+            alias.asname or alias.name: node.module
+            for node in type_checking_imports(self.tree(package))
+            if node.module and node.module.startswith(f"{package}.")
+            for alias in node.names
+        }
+        if lazy:
+            return lazy
         names: dict[str, str] = {}
         for node in self.tree(package).body:
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(f"{package}."):
@@ -122,6 +137,17 @@ class SourceTree:
                     return {module}
                 return {module, exports[attribute]} if attribute in exports else None
         return None
+
+    def loader(self, package: str) -> set[str]:
+        """The first-party modules a re-exporting ``__init__`` imports to run, its exports aside: for a lazy one, its
+        lazy-export helper; for an eager one, nothing."""
+        found = Needs()
+        for node in self.tree(package).body:
+            if isinstance(node, ast.ImportFrom) and node.module not in (None, "__future__"):
+                for alias in node.names:
+                    self.add_target(f"{_absolute(node, package)}.{alias.name}", found)
+        exported = set((self.exports(package) or {}).values())
+        return self.with_packages(found.modules - exported - {package}) - {package}
 
     def needs(self, module: str) -> Needs:
         """First-party modules (with their packages), third-party imports, and files and recipes it names."""
@@ -282,6 +308,8 @@ def _closure(tree: SourceTree, start: set[str], recipe: str) -> set[str]:
     while todo:
         module = todo.pop()
         if tree.exports(module) is not None:
+            todo += sorted(tree.loader(module) - seen)
+            seen |= tree.loader(module)
             continue
         needs = tree.needs(module)
         problems = sorted(needs.unresolved) + [f"recipe {r!r}" for r in sorted(needs.recipes - {recipe})]
@@ -344,10 +372,10 @@ def _reduced_init(tree: SourceTree, package: str, modules: set[str]) -> str:
     kept = [name for name, source in exports.items() if source in modules]
     dropped = set(exports) - set(kept)
     edits: list[tuple[int, int, str]] = []
-    for node in module_tree.body:
+    for node in [*module_tree.body, *type_checking_imports(module_tree)]:
         if isinstance(node, ast.ImportFrom) and node.module in exports.values() and node.module not in modules:
             edits.append((node.lineno, node.end_lineno or node.lineno, ""))
-        elif isinstance(node, ast.Assign):
+        elif _is_docstring_or_all(node) and isinstance(node, ast.Assign):
             order = [e.value for e in getattr(node.value, "elts", []) if isinstance(e, ast.Constant)]
             names = "".join(f'    "{n}",\n' for n in order if n in kept)
             edits.append((node.lineno, node.end_lineno or node.lineno, f"__all__ = [\n{names}]\n"))

@@ -6,20 +6,26 @@ copy contracts in the tests and work on any PyTorch code; no training part impor
     TensorEvent          one tensor an op touched, as ``CopyAudit`` records it: op, alloc or write, bytes, dtype, shape
     MemoryProbe          peak / net bytes of the storage a block creates, one ledger on every device
     find_graph_refs      paths of tensors that keep an autograd graph alive
+    graph_bytes          bytes of storage a tensor's autograd graph keeps alive (what ``.detach()`` would free)
     shares_storage       storage-level aliasing (not ``data_ptr()`` equality)
     storage_key          the identity of a tensor's storage, comparable across views
     StepProbe            Lightning callback: audits one training batch's copies, measures memory growth per batch
-    GraphRetentionGuard  Lightning callback: fails a run the step a graph leaks into outputs, attributes or metrics
+    GraphRetentionGuard  stops the step a graph leaks, naming each path and its bytes: any loop (``check``) or Lightning
     GraphRetentionError  what ``GraphRetentionGuard`` raises
 """
 
-from components.probes.collective_probe import CollectiveProbe
-from components.probes.copy_audit import CopyAudit, TensorEvent
-from components.probes.graph_guard import GraphRetentionError, GraphRetentionGuard
-from components.probes.graph_refs import find_graph_refs
-from components.probes.memory_probe import MemoryProbe
-from components.probes.step_probe import StepProbe
-from components.probes.storage import shares_storage, storage_key
+from typing import TYPE_CHECKING
+
+from components._lazy import lazy_exports
+
+if TYPE_CHECKING:  # the exports, each imported from its module on first use (components/_lazy.py)
+    from components.probes.collective_probe import CollectiveProbe
+    from components.probes.copy_audit import CopyAudit, TensorEvent
+    from components.probes.graph_guard import GraphRetentionError, GraphRetentionGuard
+    from components.probes.graph_refs import find_graph_refs, graph_bytes
+    from components.probes.memory_probe import MemoryProbe
+    from components.probes.step_probe import StepProbe
+    from components.probes.storage import shares_storage, storage_key
 
 __all__ = [
     "CollectiveProbe",
@@ -30,6 +36,9 @@ __all__ = [
     "StepProbe",
     "TensorEvent",
     "find_graph_refs",
+    "graph_bytes",
     "shares_storage",
     "storage_key",
 ]
+
+__getattr__, __dir__ = lazy_exports(__name__)
