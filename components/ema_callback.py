@@ -243,18 +243,15 @@ class EMACallback(pl.Callback):
         if self.ema is None or state is None:
             return
         weights = checkpoint["state_dict"]
-        if self.checkpoint_weights == "ema" and self.ema.sharded and not any(is_sharded(t) for t in weights.values()):
-            state["shadow"] = self.ema.full_state_dict()  # one file: every rank joins the gathers, rank 0 writes
+        distributed = any(is_sharded(t) for t in weights.values())  # else one file, or no sharding at all
+        if self.ema.sharded and not distributed:  # one file, written by rank 0 (the others' weights are empty here)
+            state["shadow"] = self.ema.full_state_dict()  # every rank joins the gathers
         if self.checkpoint_weights == "ema" and weights:
             ours["live"] = _average_into_weights(weights, state["shadow"])
-        if not self.ema.sharded:
-            return
-        if any(is_sharded(t) for t in weights.values()):  # a distributed checkpoint: every rank writes its shards
+        if distributed:  # every rank writes its shards
             state["shadow"] = _stored_under_keys(weights, state["shadow"], f"{self.state_key}/ema/shadow")
             if "live" in ours:
                 ours["live"] = _stored_under_keys(weights, ours["live"], f"{self.state_key}/live")
-        elif self.checkpoint_weights == "live":  # one file, written by rank 0 (the others' weights are empty here)
-            state["shadow"] = self.ema.full_state_dict()
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -267,7 +264,15 @@ class EMACallback(pl.Callback):
             return
         try:
             if live and all(isinstance(key, str) for key in live.values()):
-                live = self._read_from_distributed_checkpoint(pl_module.state_dict(keep_vars=True), live)
+                weights = pl_module.state_dict(keep_vars=True)
+                missing = sorted(set(live) - set(weights))
+                if missing:
+                    raise ValueError(
+                        f"the checkpoint's live weights name tensors the model does not have: {missing[:5]}"
+                    )
+                live = self._read_from_distributed_checkpoint(
+                    {name: torch.empty_like(weights[name]) for name in live}, live
+                )
             _copy_into_module(pl_module, live)
         except ValueError as err:
             raise CheckpointMismatch(str(err)) from err
@@ -296,21 +301,19 @@ class EMACallback(pl.Callback):
         holders = {name: torch.empty_like(ema.shadow[name]) if name in ema.shadow else None for name in keys}
         read = {**state, "shadow": holders}
         ema.check_state(read)
-        return {**read, "shadow": self._read_from_distributed_checkpoint(ema.shadow, keys)}
+        self._read_from_distributed_checkpoint(holders, keys)
+        return read
 
     def _read_from_distributed_checkpoint(
-        self, like: Mapping[str, torch.Tensor], keys: Mapping[str, str]
+        self, holders: dict[str, torch.Tensor], keys: Mapping[str, str]
     ) -> dict[str, torch.Tensor]:
-        """New tensors spread as ``like``'s, read from the keys of the distributed checkpoint being restored."""
+        """``holders`` (spread as the tensors to restore), filled in place from the keys of the distributed checkpoint
+        being restored (every rank reads its shards)."""
         from torch.distributed.checkpoint import load
 
         path = self._trainer.ckpt_path if self._trainer is not None else None
         if path is None:
             raise ValueError("the EMA state names tensors in a distributed checkpoint, but no checkpoint is being read")
-        missing = sorted(set(keys) - set(like))
-        if missing:
-            raise ValueError(f"the checkpoint's EMA state names tensors the model does not have: {missing[:5]}")
-        holders = {name: torch.empty_like(like[name]) for name in keys}
         load({"state_dict": {keys[name]: holder for name, holder in holders.items()}}, checkpoint_id=path)
         return holders
 

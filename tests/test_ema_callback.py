@@ -523,3 +523,17 @@ def test_a_checkpoint_holding_the_average_as_weights_stores_it_once(
     )
     _, _, copied_path = train_wide(tmp_path / "copied", "ema")
     assert copied_path.stat().st_size - live_path.stat().st_size > 0.98 * weights  # the weights three times
+
+
+def test_a_checkpoint_of_the_average_resumed_without_the_callback_trains_on_from_it_and_lightning_warns(
+    tmp_path: Path,
+) -> None:
+    """What the docstring promises a user who drops the callback: no live weights to put back, and a warning."""
+    module, ema, path = train_wide(tmp_path / "run", "ema")
+    assert ema.ema is not None
+    average = {k: v.clone() for k, v in ema.ema.shadow.items()}
+    resumed = Wide()
+    t = trainer(tmp_path / "resumed", [], max_epochs=1, limit_val_batches=0, limit_train_batches=0)
+    with pytest.warns(UserWarning, match=r"Please add the following callbacks: \[.*\"EMACallback\{"):
+        t.fit(resumed, loader(), ckpt_path=path)
+    assert same(resumed.state_dict(), average) and not same(resumed.state_dict(), module.state_dict())
