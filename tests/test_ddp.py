@@ -64,7 +64,8 @@ def assert_one_run_directory(cwd: Path, recipe: str) -> Path:
     return run
 
 
-@pytest.mark.parametrize("recipe", ["metrics", "ema", "pinned"])
+@pytest.mark.parametrize("recipe", ["metrics", pytest.param("ema", marks=pytest.mark.slow),
+                                    pytest.param("pinned", marks=pytest.mark.slow)])  # fmt: skip
 def test_classifiers_end_identical_on_both_ranks_with_synchronised_metrics(recipe: str, tmp_path: Path) -> None:
     _, rank0, rank1 = run_ddp(recipe, tmp_path)
     assert_one_run_directory(tmp_path, recipe)
@@ -101,6 +102,7 @@ def test_gan_trains_under_ddp_with_identical_networks_and_generator_ema(gan_run:
     assert not torch.equal(rank0["rng"], rank1["rng"])  # each rank draws its own noise and dropout masks
 
 
+@pytest.mark.slow  # three two-process runs; single-process resume and DDP training run by default
 def test_gan_resumed_under_ddp_ends_on_each_rank_as_the_uninterrupted_run(
     gan_run: tuple[Path, dict, dict], tmp_path: Path
 ) -> None:

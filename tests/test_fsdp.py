@@ -94,13 +94,14 @@ def test_the_ema_recipe_keeps_the_shards_of_one_average_per_rank(
     assert warning_lines(result.stderr) == []
 
 
-@pytest.mark.parametrize("recipe", ["metrics", "pinned"])
+@pytest.mark.parametrize("recipe", ["metrics", pytest.param("pinned", marks=pytest.mark.slow)])
 def test_the_other_classifiers_run_sharded(recipe: str, tmp_path: Path) -> None:
     _, rank0, rank1 = run_fsdp(recipe, tmp_path)
     one_run_directory(tmp_path, recipe)
     assert_synchronised(rank0, rank1)
 
 
+@pytest.mark.slow  # two processes each; the refusals themselves are checked in-process in the recipes' tests
 @pytest.mark.parametrize(("recipe", "message"), [
     ("dqn", "recipe dqn runs in one process: use trainer=default, cpu or gpu, not ddp or fsdp"),
     ("gan", "recipe gan does not run sharded: it alternates two networks"),

@@ -35,7 +35,8 @@ class Origins:
             print("origin:", name, sys.modules[name].__file__)
 
 
-sys.exit(pytest.main(["-q", "-rfE", "-p", "no:cacheprovider", *sys.argv[2:]], plugins=[Origins()]))
+# -n 0: in this process (not pytest-xdist's workers), where the origins are looked up
+sys.exit(pytest.main(["-q", "-rfE", "-p", "no:cacheprovider", "-n", "0", *sys.argv[2:]], plugins=[Origins()]))
 """
 
 
@@ -71,7 +72,15 @@ def docstring_paragraph(recipe: str, prefix: str) -> str:
 FAST = "not default_run and not ddp and not two_processes and not writer_killed"
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+# One starter's suite in the default suite (each costs half a minute of test processes on 2 cores); the others are
+# marked slow. The generator and the import discovery are the same for every recipe, and every starter's layout is
+# checked by the fast test after this one.
+IN_DEFAULT_SUITE = "ema"
+
+
+@pytest.mark.parametrize(
+    "recipe", [r if r == IN_DEFAULT_SUITE else pytest.param(r, marks=pytest.mark.slow) for r in RECIPES]
+)
 def test_starter_suite_passes_importing_only_its_own_code(recipe: str, tmp_path: Path) -> None:
     dest = generate(recipe, tmp_path / f"my-{recipe}")
     result = subprocess.run(

@@ -132,6 +132,19 @@ def test_the_best_checkpoint_holds_the_policy_that_earned_its_score(tmp_path: Pa
     assert restored.greedy_return() == score
 
 
+class _TwoProcessTrainer:
+    world_size = 2
+
+
+def test_more_than_one_process_is_refused_in_setup() -> None:
+    """What Lightning calls on each rank before training; the subprocess test below (slow) runs it under DDP."""
+    model, trainer = CartPoleDQN(), _TwoProcessTrainer()
+    model.trainer = trainer  # type: ignore[assignment]
+    with pytest.raises(ValueError, match="recipe dqn runs in one process: use trainer=default, cpu or gpu"):
+        model.setup("fit")
+
+
+@pytest.mark.slow  # two processes, each importing Lightning
 def test_ddp_is_refused_with_a_clear_message(tmp_path: Path) -> None:
     result = run_train("+recipe=dqn", "trainer=ddp", *SHORT, f"hydra.run.dir={tmp_path}")
     assert result.returncode != 0

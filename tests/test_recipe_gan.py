@@ -114,6 +114,7 @@ def test_short_run_writes_samples_and_summary(tmp_path: Path) -> None:
     assert "generator_ema" in checkpoint and bool(checkpoint["state_dict"]["judge_trained"])
 
 
+@pytest.mark.slow  # the full default run: 200 epochs, about 100 s on 2 cores
 def test_default_run_samples_are_confident_and_cover_every_class(tmp_path: Path) -> None:
     result = run_train("+recipe=gan", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -127,3 +128,12 @@ def test_default_run_samples_are_confident_and_cover_every_class(tmp_path: Path)
     assert m["quality/confidence_ema"] >= 0.75
     assert m["quality/min_class_fraction_ema"] >= 0.04
     assert m["quality/fid_ema"] > m["quality/fid_floor"]  # the floor is a floor
+
+
+def test_a_sharded_strategy_is_refused_in_setup() -> None:
+    """Lightning's ModelParallelStrategy gives the module a device mesh before ``setup``; the subprocess test in
+    tests/test_fsdp.py (slow) runs it under trainer=fsdp."""
+    model = DigitsGAN()
+    model._device_mesh = object()  # what ModelParallelStrategy sets
+    with pytest.raises(ValueError, match="recipe gan does not run sharded: it alternates two networks"):
+        model.setup("fit")

@@ -21,6 +21,7 @@ from recipes.pinned import AugmentedDigits, GridMean, PinnedDigitsDataModule, no
 from tests.conftest import CUDA, QUIET, compose_config, run_train, warning_lines
 
 
+@pytest.mark.slow  # the full default run, about 40 s on 2 cores
 def test_default_run_learns_and_reports_loading_figures(tmp_path: Path) -> None:
     result = run_train("+recipe=pinned", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 0, result.stderr[-3000:]
