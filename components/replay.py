@@ -116,7 +116,9 @@ class ReplayBuffer:
             space's dtype, else float32.
         action_dtype: storage dtype of actions; default: the space's dtype (``Discrete``: int64), else int64.
         num_envs: ``None``: ``add`` takes one transition. ``N``: every field of ``add`` has a leading dimension
-            ``N`` (a vector env's step) and ``N`` rows are written.
+            ``N`` (a vector env's step) and ``N`` rows are written. With a capacity that is a multiple of ``N``, a
+            step of numpy arrays as ``envs.step`` returns them is one row write per field (stable-baselines3's
+            layout), the fastest way in.
         device: where the storage lives, and so where samples are gathered.
 
     Attributes:
@@ -175,6 +177,7 @@ class ReplayBuffer:
             self._fields.append(_Field(name, shape, add_shape, tensor.dtype, accepted, writer, sizes[name] // capacity))
             start += -(-sizes[name] // _ALIGN) * _ALIGN
         self._fast = _FastPath(self._fields) if on_cpu and num_envs is None else None
+        self._rows = _EnvRows(self._fields, num_envs) if on_cpu and num_envs and capacity % num_envs == 0 else None
         self._version_of = (self._base,)  # the one counter of all six tensors, raised once per add
         self.pos = 0
         self.size = 0
@@ -232,7 +235,17 @@ class ReplayBuffer:
             if self.size < self.capacity:
                 self.size += 1
             return
-        fields, values = self._fields, (obs, action, reward, next_obs, terminated, truncated)
+        values = (obs, action, reward, next_obs, terminated, truncated)
+        rows = self._rows
+        if rows is not None and not self.pos % rows.n and rows.fits(values):  # a vector env's step as it comes
+            at = self.pos // rows.n
+            o, a, r, n, te, tr = rows.arrays
+            o[at], a[at], r[at], n[at], te[at], tr[at] = values
+            torch._C._increment_version(self._version_of)
+            self.pos = (self.pos + rows.n) % self.capacity
+            self.size = min(self.size + rows.n, self.capacity)
+            return
+        fields = self._fields
         if self._on_cpu:  # arrays of a dtype and shape that fit are written as they are (numpy casts them)
             sources = [
                 v if type(v) is _ndarray and v.dtype in f.accepted and v.shape == f.add_shape else self._checked(f, v)
@@ -352,6 +365,36 @@ class _FastPath:
         info = np.iinfo(self.action_dtype) if is_index else None
         self.action_min, self.action_max = (int(info.min), int(info.max)) if info is not None else (0, 0)
         self.reward, self.terminated, self.truncated = flat["reward"], flat["terminated"], flat["truncated"]
+
+
+class _EnvRows:
+    """What ``add`` writes a vector env's step through on a CPU buffer whose capacity is a multiple of ``num_envs``:
+    each field viewed as ``(capacity // N, N, ...)``, so the N transitions of a step are one row of each field (one
+    numpy integer-index assignment, stable-baselines3's layout) whenever the write position is a multiple of N."""
+
+    def __init__(self, fields: list[_Field], num_envs: int) -> None:
+        self.n = num_envs
+        self.arrays = tuple(f.writer.reshape(-1, num_envs, *f.shape) for f in fields)
+        obs, action, reward, _, flag, _ = fields  # next_obs is checked as obs, truncated as terminated
+        self.obs_shape, self.obs_dtype, self.obs_takes = obs.add_shape, obs.writer.dtype, obs.accepted
+        self.action_shape, self.action_dtype, self.action_takes = action.add_shape, action.writer.dtype, action.accepted
+        self.reward_takes, self.flag_takes = reward.accepted, flag.accepted
+        self.step_shape = (num_envs,)
+
+    def fits(self, values: tuple[Any, ...]) -> bool:
+        """Whether every value is a numpy array of the step's shape, in a dtype its field takes as it is (one
+        expression: a loop over the fields costs as much as the writes)."""
+        o, a, r, n, te, tr = values
+        nd, step = _ndarray, self.step_shape
+        return (
+            type(o) is nd and type(a) is nd and type(r) is nd and type(n) is nd and type(te) is nd and type(tr) is nd
+            and o.shape == self.obs_shape and n.shape == self.obs_shape and a.shape == self.action_shape
+            and r.shape == step and te.shape == step and tr.shape == step
+            and (o.dtype is self.obs_dtype or o.dtype in self.obs_takes)
+            and (n.dtype is self.obs_dtype or n.dtype in self.obs_takes)
+            and (a.dtype is self.action_dtype or a.dtype in self.action_takes)
+            and r.dtype in self.reward_takes and te.dtype in self.flag_takes and tr.dtype in self.flag_takes
+        )  # fmt: skip
 
 
 def _layout(name: str, spec: Any, dtype: DTypeLike | None, default: type) -> tuple[tuple[int, ...], np.dtype]:

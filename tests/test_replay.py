@@ -338,6 +338,40 @@ def test_vectorised_adds_write_num_envs_rows_wrap_around_and_raise_the_version_o
     assert buffer.sample(16)["obs"].shape == (16, 4)
 
 
+def test_a_vector_step_is_one_row_per_field_when_capacity_is_a_multiple_of_num_envs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A vector env's step as it comes (numpy arrays, float64 rewards) goes into a ``(capacity // N, N)`` view of each
+    field without ``_checked``; the bytes, position and version are those of the general path (the control: a
+    capacity that is not a multiple of N, or a position made unaligned by a loaded state, takes the general path)."""
+    rng = np.random.default_rng(0)
+    steps = [(rng.integers(0, 256, (2, *FRAME), dtype=np.uint8), rng.integers(0, 4, 2), rng.random(2),
+              rng.integers(0, 256, (2, *FRAME), dtype=np.uint8), rng.random(2) < 0.5, np.zeros(2, bool))
+             for _ in range(5)]  # fmt: skip
+    general = ReplayBuffer(8, FRAME, obs_dtype=np.uint8, num_envs=2)
+    for step in steps:
+        general.add(*step)
+    rows = ReplayBuffer(8, FRAME, obs_dtype=np.uint8, num_envs=2)
+    assert rows._rows is not None and ReplayBuffer(7, FRAME, num_envs=2)._rows is None
+    views = zip(rows._rows.arrays, rows._fields, strict=True)
+    assert all(np.shares_memory(view, field.writer) for view, field in views)
+    with monkeypatch.context() as patch:
+        patch.setattr(ReplayBuffer, "_checked", lambda *args: pytest.fail("converted"))
+        for step in steps:
+            version = rows.obs._version
+            rows.add(*step)
+            assert rows.obs._version == version + 1
+    assert same(snapshot(rows), snapshot(general))
+
+    unaligned = ReplayBuffer(8, FRAME, obs_dtype=np.uint8, num_envs=2)
+    unaligned.load_state_dict({**general.state_dict(), "pos": 3})
+    general.load_state_dict({**general.state_dict(), "pos": 3})
+    unaligned.add(*steps[0])  # position 3: rows 3 and 4, across two rows of the view, so the general path
+    general.add(*steps[0])
+    contents = [{k: v for k, v in snapshot(b).items() if k != "version"} for b in (unaligned, general)]
+    assert same(*contents) and unaligned.pos == 5
+
+
 def test_wraps_around_overwriting_the_oldest() -> None:
     buffer = ReplayBuffer(4, (4,))
     for i in range(6):
@@ -388,6 +422,9 @@ BAD_ADDS = {  # case -> (the buffer's arguments, the bad field, the error it rai
         {"obs": FRAME, "obs_dtype": np.uint8}, {"obs": torch.zeros(FRAME)},
         r"^obs has dtype float32, the buffer stores uint8"),
     "action 300 into uint8": ({"action_dtype": "uint8"}, {"action": 300}, r"^action is 300, outside the range of"),
+    "vector add, float frames into uint8": (
+        {"obs": FRAME, "obs_dtype": np.uint8, "num_envs": 3}, {"obs": np.zeros((3, *FRAME), np.float32)},
+        r"^obs has dtype float32, the buffer stores uint8: a float would be truncated"),
     "vector add, one row short": (
         {"num_envs": 3}, {"reward": np.zeros(2)},
         r"^reward has shape \(2,\), the buffer stores \(\) per transition and 3 per add: expected \(3,\)$"),
