@@ -32,12 +32,15 @@ def unwrap(model: nn.Module) -> nn.Module:
     """The module inside ``DistributedDataParallel`` / ``DataParallel`` (``.module``) and ``torch.compile``
     (``._orig_mod``) wrappers, however nested: the module whose ``state_dict`` names carry no wrapper prefix."""
     while True:
-        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        if isinstance(model, _PARALLEL):
             model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
+        elif isinstance(inner := model._modules.get("_orig_mod"), nn.Module):  # not getattr: a miss costs a raise
+            model = inner
         else:
             return model
+
+
+_PARALLEL = (nn.parallel.DistributedDataParallel, nn.DataParallel)
 
 
 def state_entries(model: nn.Module, include_buffers: bool = True) -> Iterator[tuple[str, torch.Tensor, tuple | None]]:
