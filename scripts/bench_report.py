@@ -19,6 +19,16 @@ Each section is written by the script it names, on the machine it names. Contend
 one process, in interleaved rounds, and the tables report medians and ratios: absolute times on shared
 machines are noisy, ratios much less so. Bandwidth is compared with a plain copy of the same bytes, the
 physical limit of the machine.
+
+The peers are the libraries themselves, installed from PyPI and called the way their own docs and training
+scripts call them: timm, diffusers, ema-pytorch, torch's `AveragedModel` and Lightning for the EMA update;
+stable-baselines3 and TorchRL for target networks and the replay buffer. Each row names the package and version.
+Install them with `pip install -e ".[bench]"`, then `pip install --no-deps timm==1.0.31` (timm requires
+torchvision, which does not install beside a CPU build of torch; `scripts/bench_peers.py` loads timm's EMA file,
+which needs only torch). A peer that is missing gets a row saying so. Rows without a package and version are
+patterns users write by hand (`load_state_dict(state_dict())`, CleanRL's line, the articles' loop), candidates
+we measured for a design choice, or floors (a bare foreach call, a plain copy, an unchecked numpy ring): the least
+the same work can cost.
 """
 
 
@@ -62,9 +72,16 @@ def median_ms(fns: dict[str, Callable[[], object]], device: torch.device, budget
 
 
 def bandwidth_table(
-    caption: str, elements: int, times: dict[str, float], bytes_per_element: dict[str, int], ours: str, copy: str
+    caption: str,
+    elements: int,
+    times: dict[str, float],
+    bytes_per_element: dict[str, float],
+    ours: str,
+    copy: str,
+    not_run: dict[str, str] | None = None,
 ) -> str:
-    """Markdown: ms, time over ``ours``, effective GB/s and its share of the plain copy's (row ``copy``)."""
+    """Markdown: ms, time over ``ours``, effective GB/s and its share of the plain copy's (row ``copy``); a row per
+    ``not_run`` contender says why it has no time."""
     copy_gbs = bytes_per_element[copy] * elements / (times[copy] * 1e-3) / 1e9
     lines = [
         caption,
@@ -75,6 +92,7 @@ def bandwidth_table(
     for name, ms in times.items():
         gbs = bytes_per_element[name] * elements / (ms * 1e-3) / 1e9
         lines.append(f"| {name} | {ms:.4f} | {ms / times[ours]:.2f}x | {gbs:.1f} | {100 * gbs / copy_gbs:.0f}% |")
+    lines += [f"| {name} | not run: {why} | - | - | - |" for name, why in (not_run or {}).items()]
     return "\n".join(lines)
 
 

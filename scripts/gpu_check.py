@@ -10,8 +10,9 @@ Steps, each recorded in the report:
   2. the device's measured copy bandwidth, device-to-device and pinned host-to-device (the limits the
      benchmarks are compared against);
   3. ``pytest -m gpu``: every CUDA-only test and every device-parametrised test's ``cuda`` case;
-  4. every benchmark in GPU mode (EMA, target updates, GAN step, batch loading), their tables copied into the
-     report, with ``--budget`` passed on when given;
+  4. every benchmark in GPU mode (EMA, target updates, replay buffer, GAN step, batch loading) against the same
+     peer libraries as on the CPU where their wheels came along (a peer that is missing gets a row saying so), their
+     tables copied into the report, with ``--budget`` passed on when given;
   5. the ``pinned`` recipe at GPU scale (``+pinned=gpu_scale``) with and without the prefetcher: samples/s,
      their ratio and the share of time spent waiting for data, from each run's summary.json;
   6. a short training run of each recipe with ``trainer=gpu``, its summary.json figures.
@@ -217,7 +218,7 @@ def main(argv: list[str]) -> int:
         flags = ["--quick", "--budget", "0.5"] if args.dry_run else ["--device", "cuda"]
         if args.budget is not None and not args.dry_run:
             flags += ["--budget", f"{args.budget:g}"]
-        for script in ("bench_ema.py", "bench_target.py", "bench_gan.py", "bench_loading.py"):
+        for script in ("bench_ema.py", "bench_target.py", "bench_replay.py", "bench_gan.py", "bench_loading.py"):
             result = run([sys.executable, f"scripts/{script}", *flags, "--output", str(bench_file)], log)
             if result.returncode != 0:
                 failures.append(f"{script}: exit {result.returncode}: {result.stderr.strip().splitlines()[-1:]}")

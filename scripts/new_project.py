@@ -404,6 +404,7 @@ def _pyproject(root: Path, name: str, recipe: str, imports: set[str]) -> tuple[s
     # A starter has no docs site: no `docs` extra, and no other extra that pulls ours in.
     ours = re.escape(re.search(r'^name = "(.*)"$', text, re.M)[1])
     text = re.sub(rf'^docs = \[.*\]\n|"{ours}\[docs\]",\s*', "", text, flags=re.M)
+    text = re.sub(r"^(# .*\n)?bench = \[.*\]\n", "", text, flags=re.M)  # nor our benchmarks' peers
     providers = packages_distributions()
     needed = {_dist_key(d) for top in imports for d in providers.get(top, [top])}
     block = re.search(r"^dependencies = \[\n(.*?)^\]", text, re.M | re.S)

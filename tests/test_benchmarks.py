@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from scripts.bench_report import bandwidth_table, read_tables
+from scripts.bench_peers import Missing, load, timm_model_ema
+from scripts.bench_report import bandwidth_table, read_tables, write_section
 from scripts.gpu_check import MAX_DATA_WAIT, MIN_COPY_SHARE, MIN_PREFETCH_GAIN, copy_share_claims, prefetch_claims
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+PEERS = {  # the rows each benchmark has for a peer library: (import name, row text)
+    "bench_ema.py": [("timm", "timm "), ("diffusers", "diffusers "), ("ema_pytorch", "ema-pytorch ")],
+    "bench_target.py": [("stable_baselines3", "stable-baselines3 "), ("torchrl", "torchrl ")],
+    "bench_replay.py": [("stable_baselines3", "stable-baselines3 "), ("torchrl", "torchrl ")],
+}
 
 
 @pytest.mark.parametrize(("script", "key", "first_row", "ratio"), [
@@ -21,22 +31,66 @@ ROOT = Path(__file__).resolve().parents[1]
     ("bench_gan.py", "gan-cpu", "| 64, 256 | ours: G once, detach, frozen D |", "time / ours"),
     ("bench_loading.py", "loading-cpu", "| DeviceDataLoader (cpu) |", "time / bare loader"),
     ("bench_sharded.py", "sharded-cpu", "| components.EMA (sharded) | 2 |", "each rank alone (/ N=1)"),
-    ("bench_replay.py", "replay-cpu", "| 10 adds + sample 128 (CleanRL's cadence) |", "peer / ours"),
+    ("bench_replay.py", "replay-cpu", "| 10 adds + sample 128 (CleanRL's cadence) |", "stable-baselines3 / ours"),
 ])  # fmt: skip
-def test_benchmark_writes_its_section_and_keeps_the_others(
+def test_benchmark_writes_its_section_beside_the_others_with_a_row_per_peer(
     script: str, key: str, first_row: str, ratio: str, tmp_path: Path
 ) -> None:
+    """The quick mode of each benchmark. A peer library that is installed (the ``bench`` extra) has timed rows;
+    one that is not has rows that say so and how to install it, and the script still succeeds."""
     output = tmp_path / "benchmarks.md"
     output.write_text("# Benchmarks\n\n<!-- other:start -->\nkept\n<!-- other:end -->\n")
-    for _ in range(2):  # the second run replaces the section instead of appending another
-        result = subprocess.run(
-            [sys.executable, f"scripts/{script}", "--quick", "--budget", "0.3", "--output", str(output)],
-            cwd=ROOT, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-        assert result.returncode == 0, result.stderr[-3000:]
+    result = subprocess.run(
+        [sys.executable, f"scripts/{script}", "--quick", "--budget", "0.3", "--output", str(output)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
     text = output.read_text()
     assert text.count(f"<!-- {key}:start -->") == 1 and "kept" in text
     assert first_row in text and ratio in text
+    for module, name in PEERS.get(script, []):
+        lines = [line for line in text.splitlines() if name in line]
+        said_missing = [line for line in lines if "not installed" in line or "ot run" in line]
+        if importlib.util.find_spec(module) is not None:  # the bench extra is installed: real rows, no excuses
+            assert lines and not said_missing, (module, said_missing)
+        else:
+            assert said_missing and all("not installed" in line for line in said_missing), (module, lines)
+
+
+def test_a_section_written_again_replaces_the_old_one(tmp_path: Path) -> None:
+    output = tmp_path / "benchmarks.md"
+    write_section(output, "ema-cpu", "EMA update (cpu)", "first header", "first body")
+    write_section(output, "other", "Other", "kept header", "kept body")
+    write_section(output, "ema-cpu", "EMA update (cpu)", "second header", "second body")
+    text = output.read_text()
+    assert text.count("<!-- ema-cpu:start -->") == 1 and "second body" in text and "first body" not in text
+    assert "kept body" in text and text.index("second body") < text.index("kept body")  # in its old place
+
+
+def test_a_peer_that_is_not_installed_is_a_row_saying_how_to_install_it() -> None:
+    missing = load("no_such_peer.utils", "no-such-peer")
+    assert isinstance(missing, Missing) and missing.startswith("no-such-peer not installed (pip install -e '.[bench]'")
+    table = bandwidth_table("**t**: x", 10, {"ours": 1.0, "copy": 0.5}, {"ours": 8, "copy": 8}, "ours", "copy",
+                            {"peer 1.0 EMA": missing})  # fmt: skip
+    assert table.endswith(f"| peer 1.0 EMA | not run: {missing} | - | - | - |")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("timm") is None, reason="timm is not installed (the bench extra's note)")
+def test_timms_ema_classes_load_from_the_installed_package_even_where_timm_cannot_import() -> None:
+    """timm requires torchvision; without it ``import timm`` fails, and its EMA file, which needs only torch, is
+    loaded from the installed package: the same code its users run."""
+    module = timm_model_ema()
+    assert not isinstance(module, Missing), module
+    spec = importlib.util.find_spec("timm")
+    assert spec is not None and spec.submodule_search_locations is not None
+    assert Path(module.__file__).resolve() == Path(next(iter(spec.submodule_search_locations)), "utils",
+                                                    "model_ema.py").resolve()  # fmt: skip
+    model = torch.nn.Linear(3, 2)
+    ema = module.ModelEmaV3(model, decay=0.5)
+    with torch.no_grad():
+        model.weight.add_(2.0)
+    ema.update(model, step=10)
+    assert torch.allclose(ema.module.weight, model.weight - 1.0)
 
 
 @pytest.mark.parametrize("args", [["--budget", "0"], ["--budget", "soon"], ["--no-such-option"]])
@@ -145,3 +199,19 @@ def test_gpu_check_suite_mode_reports_pytests_verdict(
     assert command[command.index("-m", 2) + 1] == "not slow"
     text = report.read_text()
     assert text.startswith("# The default suite on a GPU") and verdict in text and summary in text
+
+
+def test_the_readmes_headline_figures_against_the_peer_libraries_are_in_the_benchmark_tables() -> None:
+    """Each CPU ratio the README's headline table gives for the EMA, target and replay benchmarks is a ratio in
+    docs/benchmarks.md, so that regenerating the tables without the headline (or the reverse) fails here."""
+    readme = (ROOT / "README.md").read_text()
+    tables = (ROOT / "docs" / "benchmarks.md").read_text()
+    rows = [line for line in readme.split("## Headline figures")[1].split("\n## ")[0].splitlines()
+            if line.startswith("| ") and re.search(r"scripts/bench_(ema|target|replay)\.py", line)]  # fmt: skip
+    assert len(rows) == 6, rows
+    for row in rows:
+        cpu = row.strip("|").split("|")[2]
+        figures = re.findall(r"\d+\.\d+x", cpu)
+        assert figures, row
+        missing = [f for f in figures if f"| {f} |" not in tables]
+        assert not missing, (row, missing)
