@@ -31,7 +31,7 @@ PEERS = {  # the rows each benchmark has for a peer library: (import name, row t
     ("bench_gan.py", "gan-cpu", "| 64, 256 | ours: G once, detach, frozen D |", "time / ours"),
     ("bench_loading.py", "loading-cpu", "| DeviceDataLoader (cpu) |", "time / bare loader"),
     ("bench_sharded.py", "sharded-cpu", "| components.EMA (sharded) | 2 |", "each rank alone (/ N=1)"),
-    ("bench_replay.py", "replay-cpu", "| 10 adds + sample 128 (CleanRL's cadence) |", "stable-baselines3 / ours"),
+    ("bench_replay.py", "replay-cpu", "| 10 adds + sample 128 (CleanRL's cadence) |", "components.ReplayBuffer µs"),
 ])  # fmt: skip
 def test_benchmark_writes_its_section_beside_the_others_with_a_row_per_peer(
     script: str, key: str, first_row: str, ratio: str, tmp_path: Path
