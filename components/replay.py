@@ -173,7 +173,10 @@ class ReplayBuffer:
                 writer = torch.empty(0, dtype=tensor.dtype, device=self.device)
                 writer.set_(self._base.untyped_storage(), start // dtype.itemsize, tensor.shape)
             add_shape = shape if num_envs is None else (num_envs, *shape)
-            accepted = frozenset(d for d in _SOURCE_DTYPES if _refusal(name, d, None, tensor.dtype) is None)
+            # a Python int is never taken unseen: it has no range, so its value is checked (2**64 into int64)
+            accepted = frozenset(
+                d for d in _SOURCE_DTYPES if d is not int and _refusal(name, d, None, tensor.dtype) is None
+            )
             self._fields.append(_Field(name, shape, add_shape, tensor.dtype, accepted, writer, sizes[name] // capacity))
             start += -(-sizes[name] // _ALIGN) * _ALIGN
         self._fast = _FastPath(self._fields) if on_cpu and num_envs is None else None

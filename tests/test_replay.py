@@ -422,6 +422,8 @@ BAD_ADDS = {  # case -> (the buffer's arguments, the bad field, the error it rai
         {"obs": FRAME, "obs_dtype": np.uint8}, {"obs": torch.zeros(FRAME)},
         r"^obs has dtype float32, the buffer stores uint8"),
     "action 300 into uint8": ({"action_dtype": "uint8"}, {"action": 300}, r"^action is 300, outside the range of"),
+    "action 2**64 into int64": ({}, {"action": 2**64},
+                                r"^action is 18446744073709551616, outside the range of the buffer's int64$"),
     "vector add, float frames into uint8": (
         {"obs": FRAME, "obs_dtype": np.uint8, "num_envs": 3}, {"obs": np.zeros((3, *FRAME), np.float32)},
         r"^obs has dtype float32, the buffer stores uint8: a float would be truncated"),
