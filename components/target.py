@@ -87,14 +87,7 @@ def make_target(online: nn.Module, into: nn.Module | None = None) -> nn.Module:
 
 def hard_update(target: nn.Module, online: nn.Module) -> None:
     """Copy every parameter and buffer of ``online`` into ``target``, in place and bit for bit."""
-    groups = _pairs(target, online)
-    grad_was_enabled = torch.is_grad_enabled()
-    torch._C._set_grad_enabled(False)  # what `with torch.no_grad()` does, at a fraction of a small network's update
-    try:
-        for group in groups:
-            foreach_copy_(group.target.resolve(), group.online.resolve())
-    finally:
-        torch._C._set_grad_enabled(grad_was_enabled)
+    _update(target, online, 1.0)
 
 
 def soft_update(target: nn.Module, online: nn.Module, tau: float) -> None:
@@ -104,9 +97,14 @@ def soft_update(target: nn.Module, online: nn.Module, tau: float) -> None:
     """
     if not 0.0 < tau <= 1.0:
         raise ValueError(f"tau must be in (0, 1], got {tau}")
+    _update(target, online, tau)
+
+
+def _update(target: nn.Module, online: nn.Module, tau: float) -> None:
+    """One foreach call per group: ``lerp_`` by ``tau`` for floating groups when ``tau < 1``, else ``copy_``."""
     groups = _pairs(target, online)
     grad_was_enabled = torch.is_grad_enabled()
-    torch._C._set_grad_enabled(False)
+    torch._C._set_grad_enabled(False)  # what `with torch.no_grad()` does, at a fraction of a small network's update
     try:
         for group in groups:
             if group.average and tau < 1.0:
