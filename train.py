@@ -15,7 +15,8 @@ uninterrupted run would have reached, bit for bit on CPU (``tests/test_resume_re
 Bad input stops before training, writing no checkpoint and nothing into an earlier run, with exit status 2
 and one line that names the key and what is allowed: no or an unknown recipe, a key the config does not
 have or an unknown group option (both checked before Hydra makes a run directory), an out-of-range value
-(checked where it is used, named by its config key), a ``ckpt_path`` that is missing, not a checkpoint, or
+(checked where it is used, named by its config key), a required value left ``???`` (``data.root`` of
+``data=images``), a ``ckpt_path`` that is missing, not a checkpoint, or
 another recipe's or seed's.
 """
 
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import hydra
 from hydra.core.override_parser.types import ValueType
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -84,7 +85,7 @@ def override_error(argv: list[str]) -> str | None:
             overrides.append(f"{override.get_key_element()}={next(override.sweep_string_iterator())}")
     try:
         with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
-            compose("config", overrides=overrides)
+            cfg = compose("config", overrides=overrides)
     except MissingConfigException as err:
         group = (err.missing_cfg_file or "").rpartition("/")[0]
         if group and err.options:
@@ -95,7 +96,23 @@ def override_error(argv: list[str]) -> str | None:
         if isinstance(cause, OmegaConfBaseException) and cause.full_key and cause.parent_node is not None:
             return _unknown_key(cause.full_key, [str(k) for k in cause.parent_node])
         return " ".join(str(err).splitlines()[0].split())
+    missing = missing_keys(cfg)
+    if missing:
+        return f"{missing[0]} has no value (??? in its config file): give it one, {missing[0]}=..."
     return None
+
+
+def missing_keys(node: DictConfig | ListConfig, prefix: str = "") -> list[str]:
+    """The full keys whose value is ``???``, in config order; nothing is resolved (``${hydra:...}`` has no value
+    before Hydra runs)."""
+    found = []
+    for key in node.keys() if isinstance(node, DictConfig) else range(len(node)):
+        child = node._get_node(key)
+        if OmegaConf.is_missing(node, key):
+            found.append(f"{prefix}{key}")
+        elif isinstance(child, (DictConfig, ListConfig)):
+            found += missing_keys(child, f"{prefix}{key}.")
+    return found
 
 
 def _unknown_key(full_key: str, siblings: list[str]) -> str:
@@ -160,6 +177,27 @@ def _instantiate(cfg: DictConfig, key: str, **kwargs: Any) -> Any:
         raise ValueError(message) from cause
 
 
+# What a data module knows that a model may need: a model config that leaves one of these null gets the data module's.
+DATA_FACTS = ("image_shape", "num_classes")
+
+
+def data_facts(model_cfg: DictConfig, datamodule: object) -> dict[str, Any]:
+    """The values of ``DATA_FACTS`` the model config leaves ``null``, from ``datamodule``; ``ValueError`` where the
+    config sets one the data contradicts (``model.num_classes=5`` for a folder of 10 class subfolders, say)."""
+    given, facts = OmegaConf.to_container(model_cfg, resolve=True), {}
+    assert isinstance(given, dict)
+    for key in DATA_FACTS:
+        if key not in given or not hasattr(datamodule, key):
+            continue
+        known = getattr(datamodule, key)
+        known = list(known) if isinstance(known, tuple) else known  # a list reads plainly in hparams.yaml
+        if given[key] is None:
+            facts[key] = known
+        elif given[key] != known:
+            raise ValueError(f"model.{key}={given[key]} but the data has {known}: leave model.{key} null to take it")
+    return facts
+
+
 def build(cfg: DictConfig) -> tuple[pl.Trainer, pl.LightningModule, pl.LightningDataModule | None]:
     """Seed, then instantiate the datamodule, model, callbacks, loggers and trainer named in ``cfg``."""
     import lightning.pytorch as pl
@@ -171,7 +209,8 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, pl.LightningModule, pl.Lightning
         raise ValueError(f"float32_matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)}, got {precision!r}")
     torch.set_float32_matmul_precision(precision)
     datamodule = _instantiate(cfg, "data") if cfg.get("data") is not None else None
-    model = _instantiate(cfg, "model")
+    # _convert_="all": plain lists and dicts, which a checkpoint's hyperparameters can hold (weights_only loads them)
+    model = _instantiate(cfg, "model", _convert_="all", **data_facts(cfg.model, datamodule))
     callbacks = [_instantiate(cfg, f"callbacks.{k}") for k, c in (cfg.get("callbacks") or {}).items() if c is not None]
     loggers = [_instantiate(cfg, f"logger.{k}") for k, c in (cfg.get("logger") or {}).items() if c is not None]
     trainer = _instantiate(cfg, "trainer", callbacks=callbacks, logger=loggers or False)

@@ -56,11 +56,17 @@ def load_digits_split(val_fraction: float = 0.2, seed: int = 0) -> tuple[TensorD
 class DigitsDataModule(pl.LightningDataModule):
     """Train and validation loaders over ``load_digits_split``; the training order is seeded and resumable.
 
+    Batches are ``(pixels, labels)``, the pixels flat: ``(N, 64)`` float32 in [0, 1]. ``image_shape`` and
+    ``num_classes`` say what they are (``train.py`` hands them to a model whose config leaves them ``null``).
+
     The split is made here, so a bad ``val_fraction`` stops the run before training. The training order
     comes from one generator seeded here and drawn once per epoch; its state is the module's
     ``state_dict``, so a run resumed from an end-of-epoch checkpoint shuffles the next epochs exactly as the
     uninterrupted run would.
     """
+
+    image_shape = (1, 8, 8)
+    num_classes = NUM_CLASSES
 
     def __init__(self, batch_size: int = 64, val_fraction: float = 0.2, seed: int = 0, num_workers: int = 0) -> None:
         super().__init__()
@@ -78,6 +84,12 @@ class DigitsDataModule(pl.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, shuffle=False)
+
+    def eval_images(self, split: str, limit: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``limit`` digits of ``split`` (``"train"`` or ``"val"``) and their labels: views of the split's
+        tensors, shaped as the batches are."""
+        images, labels = (self.train_set if split == "train" else self.val_set).tensors
+        return images[:limit], labels[:limit]
 
     def state_dict(self) -> dict[str, Any]:
         return {"shuffle": self.shuffle.get_state()}

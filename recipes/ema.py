@@ -1,6 +1,7 @@
 """Recipe ``ema``: shadow weights that average out a noisy optimiser, evaluated beside the live ones.
 
-    python train.py +recipe=ema
+    python train.py +recipe=ema                                       # the 8x8 digits, an MLP
+    python train.py +recipe=ema data=images data.root=DIR             # your labelled images, a small CNN
 
 What it shows:
   * ``EMACallback`` keeps an exponential moving average of every parameter and BatchNorm statistic in
@@ -16,8 +17,13 @@ Sharded (``python train.py +recipe=ema trainer=fsdp``): ``configure_model`` shar
 process holds 1/N of every weight, and ``EMACallback`` keeps the average of its own shards only, 1/N of the shadow,
 updated with no collective.
 
-Change first: the network in ``__init__``, and ``decay`` in ``conf/recipe/ema.yaml`` (about
-``1 / (1 - decay)`` steps are averaged).
+The network follows the data (``model.network``, ``recipes/networks.py``): an MLP with BatchNorm for the 8x8 digits,
+a small CNN for square power-of-two images (16 or more); ``train.py`` fills ``model.image_shape`` and
+``model.num_classes`` from the data module.
+
+Change first: the data (``data=images data.root=DIR``, one subfolder per class; keys in ``conf/data/images.yaml``)
+and ``decay`` in ``conf/recipe/ema.yaml`` (about ``1 / (1 - decay)`` steps are averaged); then the networks in
+``recipes/networks.py``.
 """
 
 from __future__ import annotations
@@ -29,34 +35,51 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torchmetrics.classification import MulticlassAccuracy
 
-__all__ = ["NoisyDigitsClassifier"]
+from recipes.networks import ConvClassifier, MLPClassifier, pick_network
 
-NUM_CLASSES = 10
-NUM_FEATURES = 64
+__all__ = ["NoisyClassifier"]
 
 
-class NoisyDigitsClassifier(pl.LightningModule):
-    """An MLP with BatchNorm on sklearn digits, trained by SGD at a constant, deliberately high rate."""
+class NoisyClassifier(pl.LightningModule):
+    """A classifier with BatchNorm (``recipes.networks``: an MLP or a small CNN, by ``network``), trained by SGD at a
+    constant, deliberately high rate. ``image_shape`` and ``num_classes`` describe the data (``train.py`` fills them
+    from the data module)."""
 
-    def __init__(self, hidden: int = 256, lr: float = 0.2, momentum: float = 0.9) -> None:
+    def __init__(
+        self,
+        image_shape: tuple[int, int, int] | None = None,
+        num_classes: int | None = None,
+        network: str = "auto",
+        hidden: int = 256,
+        conv_width: int = 32,
+        lr: float = 0.2,
+        momentum: float = 0.9,
+    ) -> None:
         super().__init__()
-        if hidden < 1:
-            raise ValueError(f"model.hidden must be >= 1, got {hidden}")
+        if image_shape is None or len(image_shape) != 3:
+            raise ValueError(
+                f"model.image_shape must be (channels, height, width), got {image_shape}: train.py fills it from the "
+                "data module; pass it when you build the model yourself"
+            )
+        if num_classes is None or num_classes < 2:
+            raise ValueError(
+                f"recipe ema classifies, and the data has {'no labels' if num_classes is None else '1 class'}: put "
+                "each class's images in a subfolder of data.root (two classes at least)"
+            )
+        for name, value in {"hidden": hidden, "conv_width": conv_width}.items():
+            if value < 1:
+                raise ValueError(f"model.{name} must be >= 1, got {value}")
         if not lr > 0:
             raise ValueError(f"model.lr must be > 0, got {lr}")
         if not 0 <= momentum < 1:
             raise ValueError(f"model.momentum must be in [0, 1), got {momentum}")
         self.save_hyperparameters()
-        self.net = nn.Sequential(
-            nn.Linear(NUM_FEATURES, hidden),
-            nn.BatchNorm1d(hidden),
-            nn.ReLU(),
-            nn.Linear(hidden, hidden),
-            nn.BatchNorm1d(hidden),
-            nn.ReLU(),
-            nn.Linear(hidden, NUM_CLASSES),
-        )
-        self.val_acc = MulticlassAccuracy(NUM_CLASSES, average="micro")
+        shape = tuple(image_shape)
+        if pick_network(network, shape) == "conv":
+            self.net: nn.Module = ConvClassifier(shape, conv_width, num_classes)
+        else:
+            self.net = MLPClassifier(shape, hidden, num_classes, batch_norm=True)
+        self.val_acc = MulticlassAccuracy(num_classes, average="micro")
 
     def configure_model(self) -> None:
         """Under ``trainer=fsdp`` (Lightning's ``ModelParallelStrategy``, which gives the module a device mesh):
@@ -64,11 +87,11 @@ class NoisyDigitsClassifier(pl.LightningModule):
         if self.device_mesh is None or isinstance(self.net, FSDPModule):  # not sharded, or sharded already
             return
         mesh = self.device_mesh["data_parallel"]
-        # Copy decision: each Linear is a unit of its own, gathered for its forward and freed after it; the root
-        # keeps the rest (BatchNorm's weights). Every rank keeps 1/N of each weight, and EMACallback 1/N of the
+        # Copy decision: each Linear or Conv2d is a unit of its own, gathered for its forward and freed after it; the
+        # root keeps the rest (BatchNorm's weights). Every rank keeps 1/N of each weight, and EMACallback 1/N of the
         # average: the average of a shard is the shard of the average, so updating it sends nothing.
-        for layer in self.net:
-            if isinstance(layer, nn.Linear):
+        for layer in self.net.modules():
+            if isinstance(layer, (nn.Linear, nn.Conv2d)):
                 fully_shard(layer, mesh=mesh)
         fully_shard(self.net, mesh=mesh)
 

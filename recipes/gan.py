@@ -1,7 +1,8 @@
-"""Recipe ``gan``: a GAN on 8x8 digits whose generator runs once per step and whose two steps never leak
-gradients into each other.
+"""Recipe ``gan``: a GAN whose generator runs once per step and whose two steps never leak gradients into each
+other, on the 8x8 digits or on your own images.
 
-    python train.py +recipe=gan
+    python train.py +recipe=gan                                           # 8x8 digits, MLP networks
+    python train.py +recipe=gan data=images data.root=DIR                 # your 64x64 RGB images, DCGAN networks
 
 What it shows, per training step:
   * ``fake = G(z)`` runs once. The discriminator step sees ``fake.detach()``: the same values, no graph,
@@ -11,18 +12,26 @@ What it shows, per training step:
   * An ``EMA`` of the generator's weights (as in StyleGAN) is updated in place after each step; samples
     and quality figures come from it, with the live generator's figures logged beside them.
 
-Quality is judged by a digits classifier trained on the real training split when the run starts (seeded,
-part of this recipe): on ``eval_samples`` generated digits, the mean confidence of its prediction and the
-share of the rarest predicted class (mode collapse shows as a class near 0), and a Frechet distance on
-its penultimate features, computed by torchmetrics' ``FrechetInceptionDistance`` with that classifier as
-the feature extractor, beside the same distance between real training and real validation digits (the
-floor). Each validation epoch writes ``samples_epochNNN.png`` and ``samples.png`` (EMA generator).
+The networks follow the data (``model.network``, ``recipes/networks.py``): MLPs for the 8x8 digits, DCGAN's
+convolutional generator and discriminator for square images whose side is a power of two (16 or more). ``train.py``
+fills ``model.image_shape`` and ``model.num_classes`` from the data module.
 
-Change first: ``Generator`` and ``Discriminator``.
+Quality is judged by a network trained on ``eval_samples`` real training images when the run starts (seeded, part
+of this recipe): a classifier of their labels when the data has labels, otherwise an autoencoder (features that
+must reconstruct the image). Its features give a Frechet distance (torchmetrics' ``FrechetInceptionDistance`` with
+the judge as the feature extractor) between real training images and ``eval_samples`` generated ones, beside the
+same distance between real training and real validation images (the floor). With labels it also reports the mean
+confidence of its predictions and the share of the rarest predicted class (mode collapse shows as a class near 0).
+Each validation epoch writes a 10x10 grid of the EMA generator's samples: ``samples_epochNNN.png`` and
+``samples.png``.
+
+Change first: the data (``data=images data.root=DIR``, its keys in ``conf/data/images.yaml``) and the widths in
+``conf/recipe/gan.yaml``; then the networks in ``recipes/networks.py``.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -37,60 +46,56 @@ from torch.nn.parallel import DistributedDataParallel
 from torchmetrics.image.fid import FrechetInceptionDistance
 
 from components import EMA, GradientAverager, frozen
+from recipes.networks import (
+    ConvClassifier,
+    ConvDiscriminator,
+    ConvGenerator,
+    MLPClassifier,
+    MLPDiscriminator,
+    MLPGenerator,
+    has_batch_norm,
+    pick_network,
+)
 
-__all__ = ["Discriminator", "DigitsGAN", "Generator", "Judge", "discriminator_loss"]
+__all__ = ["GAN", "GRID", "Judge", "discriminator_loss", "sample_grid"]
 
 # The judge is in eval mode on purpose: trained once before the GAN, it only evaluates.
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
 
-PIXELS = 64
-
-
-class Generator(nn.Module):
-    def __init__(self, latent: int, hidden: int) -> None:
-        super().__init__()
-        self.net = nn.Sequential(
-            nn.Linear(latent, hidden), nn.LeakyReLU(0.2), nn.Linear(hidden, hidden), nn.LeakyReLU(0.2),
-            nn.Linear(hidden, PIXELS), nn.Tanh(),
-        )  # fmt: skip
-
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return self.net(z)
-
-
-class Discriminator(nn.Module):
-    def __init__(self, hidden: int, dropout: float) -> None:
-        super().__init__()
-        self.net = nn.Sequential(
-            nn.Linear(PIXELS, hidden), nn.LeakyReLU(0.2), nn.Dropout(dropout),
-            nn.Linear(hidden, hidden), nn.LeakyReLU(0.2), nn.Dropout(dropout),
-            nn.Linear(hidden, 1),
-        )  # fmt: skip
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x).squeeze(1)
+GRID = 10  # samples.png is a GRID x GRID grid of samples
+SAMPLE_CHUNK = 1024  # generated and judged this many at a time
 
 
 class Judge(nn.Module):
-    """The evaluation classifier; ``features`` (penultimate layer) feed the Frechet distance."""
+    """The evaluation network: a classifier of the real images' labels, or, without labels, an autoencoder whose
+    head reconstructs the image from the features. ``body`` (its penultimate features) feeds the Frechet distance."""
 
-    num_features = 128
-
-    def __init__(self) -> None:
+    def __init__(self, network: str, image_shape: tuple[int, int, int], num_classes: int | None) -> None:
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(PIXELS, 128), nn.ReLU(), nn.Linear(128, self.num_features), nn.ReLU())
-        self.head = nn.Linear(self.num_features, 10)
+        outputs = num_classes or math.prod(image_shape)  # unlabelled: the head reconstructs the pixels
+        self.net = (
+            MLPClassifier(image_shape, 128, outputs) if network == "mlp" else ConvClassifier(image_shape, 32, outputs)
+        )
+        self.num_classes, self.num_features = num_classes, self.net.num_features
+
+    @property
+    def body(self) -> nn.Module:
+        return self.net.body
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(x))
+        return self.net(x)
 
-    def fit(self, images: torch.Tensor, labels: torch.Tensor, epochs: int, seed: int) -> None:
+    def fit(self, images: torch.Tensor, labels: torch.Tensor | None, epochs: int, seed: int) -> None:
         generator = torch.Generator().manual_seed(seed)
         optimizer = torch.optim.Adam(self.parameters(), lr=1e-3)
         with torch.enable_grad():
             for _ in range(epochs):
                 for index in torch.randperm(len(images), generator=generator).split(64):
-                    loss = F.cross_entropy(self(images[index]), labels[index])
+                    x = images[index]
+                    if labels is None:
+                        loss = F.mse_loss(torch.tanh(self(x)), x.flatten(1))
+                    else:
+                        loss = F.cross_entropy(self(x), labels[index])
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()
                     optimizer.step()
@@ -109,13 +114,22 @@ class _Features(nn.Module):
         return self.judge.body(x)
 
 
-class DigitsGAN(pl.LightningModule):
-    """Unconditional GAN on sklearn digits scaled to [-1, 1], with manual optimisation."""
+class GAN(pl.LightningModule):
+    """Unconditional GAN on images scaled to [-1, 1], with manual optimisation.
+
+    ``image_shape`` (channels, height, width) and ``num_classes`` (``None``: no labels) describe the data; ``train.py``
+    fills them from the data module. ``network`` picks the networks (``recipes.networks.pick_network``): ``hidden`` is
+    the MLPs' width, ``conv_width`` the channels of DCGAN's layers next to the image (its ``ngf`` and ``ndf``).
+    """
 
     def __init__(
         self,
+        image_shape: tuple[int, int, int] | None = None,
+        num_classes: int | None = None,
+        network: str = "auto",
         latent: int = 32,
         hidden: int = 256,
+        conv_width: int = 64,
         d_dropout: float = 0.3,
         lr: float = 2e-4,
         beta1: float = 0.5,
@@ -125,9 +139,19 @@ class DigitsGAN(pl.LightningModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        for name, value in {"latent": latent, "hidden": hidden, "eval_samples": eval_samples}.items():
+        if image_shape is None or len(image_shape) != 3:
+            raise ValueError(
+                f"model.image_shape must be (channels, height, width), got {image_shape}: train.py fills it from the "
+                "data module; pass it when you build the model yourself"
+            )
+        for name, value in {"latent": latent, "hidden": hidden, "conv_width": conv_width}.items():
             if value < 1:
                 raise ValueError(f"model.{name} must be >= 1, got {value}")
+        if eval_samples < GRID * GRID:
+            raise ValueError(
+                f"model.eval_samples must be >= {GRID * GRID} (each validation writes a {GRID}x{GRID} grid of "
+                f"samples), got {eval_samples}"
+            )
         if not lr > 0:
             raise ValueError(f"model.lr must be > 0, got {lr}")
         if not 0 <= d_dropout < 1:
@@ -138,17 +162,24 @@ class DigitsGAN(pl.LightningModule):
             raise ValueError(f"model.ema_decay must be in [0, 1), got {ema_decay}")
         self.save_hyperparameters()
         self.automatic_optimization = False
-        self.generator = Generator(latent, hidden)
-        self.discriminator = Discriminator(hidden, d_dropout)
-        self.judge = Judge()
+        self.image_shape = tuple(image_shape)
+        kind = pick_network(network, self.image_shape)
+        if kind == "conv":
+            self.generator: nn.Module = ConvGenerator(latent, conv_width, self.image_shape)
+            self.discriminator: nn.Module = ConvDiscriminator(self.image_shape, conv_width)
+        else:
+            self.generator = MLPGenerator(latent, hidden, self.image_shape)
+            self.discriminator = MLPDiscriminator(self.image_shape, hidden, d_dropout)
+        self.judge = Judge(kind, self.image_shape, num_classes)
         self.register_buffer("judge_trained", torch.tensor(False))  # checkpointed: a resumed run keeps its judge
         self.g_ema: EMA | None = None  # made in on_fit_start, once the generator is on its device
         self._g_grads: GradientAverager | None = None  # under DDP only
         self._d_grads: GradientAverager | None = None
         self._pending_ema: dict[str, Any] | None = None
+        self._real: torch.Tensor | None = None  # eval_samples real training images in [-1, 1], read at fit start
         self.fid_floor: float | None = None
 
-    def train(self, mode: bool = True) -> DigitsGAN:
+    def train(self, mode: bool = True) -> GAN:
         super().train(mode)
         self.judge.eval()  # the judge is trained once, before the GAN, and only evaluates afterwards
         return self
@@ -157,12 +188,11 @@ class DigitsGAN(pl.LightningModule):
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         opt_g, opt_d = self.optimizers()
-        real = batch[0] * 2 - 1
+        real = batch[0].view(-1, *self.image_shape) * 2 - 1  # a flat digits batch is viewed as images: no copy
         z = torch.randn(real.shape[0], self.hparams.latent, device=self.device)
         fake = self.generator(z)  # the only generator forward of this step
 
         # Copy decision: D sees fake.detach(): shared storage, no graph, so this backward never enters G.
-        # One D forward over [real; fake] (torch.cat copies the two small batches) instead of two.
         d_loss = discriminator_loss(self.discriminator, real, fake.detach())
         self._backward(d_loss, self._d_grads)
         opt_d.step()
@@ -214,10 +244,12 @@ class DigitsGAN(pl.LightningModule):
         if self._pending_ema is not None:
             self.g_ema.load_state_dict(self._pending_ema)
             self._pending_ema = None
+        real, labels = self.trainer.datamodule.eval_images("train", self.hparams.eval_samples)
+        self._real = real.view(-1, *self.image_shape) * 2 - 1
         if not self.judge_trained:
-            train_x, train_y = (t.to(self.device) for t in self.trainer.datamodule.train_set.tensors)
             self.judge.train()
-            self.judge.fit(train_x * 2 - 1, train_y, self.hparams.judge_epochs, self.hparams.seed)
+            target = None if labels is None else labels.to(self.device)
+            self.judge.fit(self._real.to(self.device), target, self.hparams.judge_epochs, self.hparams.seed)
             self.judge_trained.fill_(True)
         if self.global_rank > 0:
             # Lightning seeds every rank alike: without this each rank would draw the same z and the same dropout
@@ -230,47 +262,50 @@ class DigitsGAN(pl.LightningModule):
         """Quality is measured once per validation epoch, in ``on_validation_epoch_end``."""
 
     def on_validation_epoch_end(self) -> None:
-        if self.g_ema is None or self.trainer.sanity_checking:
+        if self.g_ema is None or self._real is None or self.trainer.sanity_checking:
             return
-        data = self.trainer.datamodule
-        train_x = data.train_set.tensors[0].to(self.device) * 2 - 1
+        real = self._real.to(self.device)
         if self.fid_floor is None:
-            val_x = data.val_set.tensors[0].to(self.device) * 2 - 1
-            self.fid_floor = self.frechet(train_x, val_x)
+            val, _ = self.trainer.datamodule.eval_images("val", self.hparams.eval_samples)
+            self.fid_floor = self.frechet(real, val.to(self.device).view(-1, *self.image_shape) * 2 - 1)
         z = torch.randn(
             self.hparams.eval_samples, self.hparams.latent, device=self.device,
             generator=torch.Generator(self.device).manual_seed(self.hparams.seed),
         )  # fmt: skip
-        live = self.generator(z)
+        live = self.sample(z)
         with self.g_ema.average_weights(self.generator):
-            averaged = self.generator(z)
+            averaged = self.sample(z)
         for suffix, samples in (("_ema", averaged), ("", live)):
-            confidence, rarest = self.judge_samples(samples)
-            self.log(f"quality/confidence{suffix}", confidence)
-            self.log(f"quality/min_class_fraction{suffix}", rarest)
-            self.log(f"quality/fid{suffix}", self.frechet(train_x, samples))
+            if self.judge.num_classes is not None:
+                confidence, rarest = self.judge_samples(samples)
+                self.log(f"quality/confidence{suffix}", confidence)
+                self.log(f"quality/min_class_fraction{suffix}", rarest)
+            self.log(f"quality/fid{suffix}", self.frechet(real, samples))
         self.log("quality/fid_floor", self.fid_floor)
         if self.trainer.is_global_zero:
-            self.write_grid(averaged[:100], Path(self.trainer.default_root_dir))
+            picture = sample_grid(averaged[: GRID * GRID])
+            directory = Path(self.trainer.default_root_dir)
+            directory.mkdir(parents=True, exist_ok=True)
+            picture.save(directory / f"samples_epoch{self.current_epoch:03d}.png")
+            picture.save(directory / "samples.png")
+
+    def sample(self, z: torch.Tensor) -> torch.Tensor:
+        """The generator's images for ``z``, made ``SAMPLE_CHUNK`` at a time (as the generator is: live or average)."""
+        return torch.cat([self.generator(chunk) for chunk in z.split(SAMPLE_CHUNK)])
 
     def judge_samples(self, samples: torch.Tensor) -> tuple[float, float]:
-        probs = self.judge(samples).softmax(dim=1)
-        counts = torch.bincount(probs.argmax(dim=1), minlength=10)
+        """The judge's mean confidence on ``samples`` and the share of its rarest predicted class."""
+        probs = torch.cat([self.judge(chunk).softmax(dim=1) for chunk in samples.split(SAMPLE_CHUNK)])
+        counts = torch.bincount(probs.argmax(dim=1), minlength=self.judge.num_classes)
         return probs.max(dim=1).values.mean().item(), (counts.min() / len(samples)).item()
 
     def frechet(self, real: torch.Tensor, fake: torch.Tensor) -> float:
         fid = FrechetInceptionDistance(feature=_Features(self.judge)).to(self.device)
-        fid.update(real, real=True)
-        fid.update(fake, real=False)
+        for chunk in real.split(SAMPLE_CHUNK):
+            fid.update(chunk, real=True)
+        for chunk in fake.split(SAMPLE_CHUNK):
+            fid.update(chunk, real=False)
         return fid.compute().item()
-
-    def write_grid(self, samples: torch.Tensor, directory: Path) -> None:
-        images = ((samples.reshape(10, 10, 8, 8) + 1) * 127.5).clamp(0, 255).to(torch.uint8).cpu().numpy()
-        grid = np.pad(images, ((0, 0), (0, 0), (1, 1), (1, 1))).transpose(0, 2, 1, 3).reshape(100, 100)
-        picture = Image.fromarray(grid).resize((400, 400), Image.NEAREST)
-        directory.mkdir(parents=True, exist_ok=True)
-        picture.save(directory / f"samples_epoch{self.current_epoch:03d}.png")
-        picture.save(directory / "samples.png")
 
     # -- checkpoints ---------------------------------------------------------------------------------------
 
@@ -282,12 +317,36 @@ class DigitsGAN(pl.LightningModule):
         self._pending_ema = checkpoint.get("generator_ema")
 
 
+def sample_grid(samples: torch.Tensor) -> Image.Image:
+    """Images in [-1, 1], ``(N, C, H, W)`` with N a square, as one picture: a grid with a pixel of black around each
+    image, scaled up by a whole factor (nearest neighbour) until it is 400 pixels or more across."""
+    rows = math.isqrt(len(samples))
+    if rows * rows != len(samples) or samples.shape[1] not in (1, 3):
+        raise ValueError(f"sample_grid needs a square number of 1- or 3-channel images, got {tuple(samples.shape)}")
+    pixels = ((samples.detach().float() + 1) * 127.5).clamp(0, 255).to(torch.uint8).cpu().numpy()
+    channels, height, width = pixels.shape[1:]
+    pixels = np.pad(pixels, ((0, 0), (0, 0), (1, 1), (1, 1))).reshape(rows, rows, channels, height + 2, width + 2)
+    grid = pixels.transpose(0, 3, 1, 4, 2).reshape(rows * (height + 2), rows * (width + 2), channels)
+    picture = Image.fromarray(grid[:, :, 0] if channels == 1 else grid)
+    scale = max(1, math.ceil(400 / picture.width))
+    return picture.resize((picture.width * scale, picture.height * scale), Image.NEAREST)
+
+
 def _bce(logits: torch.Tensor, target: float) -> torch.Tensor:
     return F.binary_cross_entropy_with_logits(logits, torch.full_like(logits, target))
 
 
 def discriminator_loss(discriminator: nn.Module, real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
-    """``bce(D(real), 1) + bce(D(fake), 0)`` with a single forward over both batches."""
+    """``bce(D(real), 1) + bce(D(fake), 0)``.
+
+    A discriminator with BatchNorm (DCGAN's) gets two forwards, as DCGAN trains it: one forward over ``[real; fake]``
+    would normalise each half with statistics of both, so D's output for a real image would depend on the fakes
+    beside it, and the generator step, whose batch is all fake, would see other statistics than this step did.
+    Without BatchNorm the two halves cannot meet, and one forward over both (``torch.cat`` copies the two small
+    batches) costs one launch of each layer instead of two.
+    """
+    if has_batch_norm(discriminator):
+        return _bce(discriminator(real), 1.0) + _bce(discriminator(fake), 0.0)
     logits = discriminator(torch.cat([real, fake]))
     targets = torch.cat([torch.ones(len(real), device=logits.device), torch.zeros(len(fake), device=logits.device)])
     return 2 * F.binary_cross_entropy_with_logits(logits, targets)

@@ -90,9 +90,9 @@ def transformer_model() -> nn.Module:
 
 def small_model() -> nn.Module:
     """The ``ema`` recipe's digits MLP: about 85K parameters (overhead-bound)."""
-    from recipes.ema import NoisyDigitsClassifier
+    from recipes.ema import NoisyClassifier
 
-    return NoisyDigitsClassifier().net
+    return NoisyClassifier(image_shape=(1, 8, 8), num_classes=10).net
 
 
 class _Holder(LightningModule):

@@ -25,18 +25,20 @@ sys.path.insert(0, str(ROOT))
 
 from components import MemoryProbe, frozen  # noqa: E402
 from components.probes._storage_events import human_bytes  # noqa: E402
-from recipes.gan import Discriminator, Generator, _bce, discriminator_loss  # noqa: E402
+from recipes.gan import _bce, discriminator_loss  # noqa: E402
+from recipes.networks import MLPDiscriminator, MLPGenerator  # noqa: E402
 from scripts.bench_report import command_line, measured_on, median_ms, parse_args, write_section  # noqa: E402
 
 LATENT = 32
+DIGITS = (1, 8, 8)  # the recipe's default data
 
 
 def steps(batch: int, hidden: int, device: torch.device) -> dict[str, Callable[[], object]]:
     torch.manual_seed(0)
-    g, d = Generator(LATENT, hidden).to(device), Discriminator(hidden, 0.3).to(device)
+    g, d = MLPGenerator(LATENT, hidden, DIGITS).to(device), MLPDiscriminator(DIGITS, hidden, 0.3).to(device)
     opt_g = torch.optim.Adam(g.parameters(), lr=2e-4, betas=(0.5, 0.999), fused=True)
     opt_d = torch.optim.Adam(d.parameters(), lr=2e-4, betas=(0.5, 0.999), fused=True)
-    real = torch.rand(batch, 64, device=device) * 2 - 1
+    real = torch.rand(batch, *DIGITS, device=device) * 2 - 1
 
     def ours() -> None:
         fake = g(torch.randn(batch, LATENT, device=device))

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -48,6 +49,24 @@ def compose_config(*overrides: str, output_dir: Path) -> DictConfig:
     """The config ``train.py`` would build for these overrides, writing into ``output_dir``."""
     with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         return compose("config", overrides=[f"paths.output_dir={output_dir}", *overrides])
+
+
+def write_images(root: Path, count: int, size: int = 16, channels: int = 3, classes: int = 0) -> Path:
+    """``count`` PNG files of ``size`` x ``size`` pixels (RGB, or grey for ``channels=1``) in ``root``: in ``classes``
+    subfolders (``class0``, ``class1``...) taken in turn, or directly in ``root`` when ``classes`` is 0. Class ``c``
+    is a bright square at a place of its own on noise, so a classifier can tell the classes apart."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for i in range(count):
+        label = i % classes if classes else i % 4
+        pixels = rng.integers(0, 60, (size, size, channels), dtype=np.uint8)
+        corner = (label % 2) * size // 2, (label // 2 % 2) * size // 2
+        pixels[corner[0] : corner[0] + size // 2, corner[1] : corner[1] + size // 2] = 220
+        folder = root / f"class{label}" if classes else root
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(pixels[:, :, 0] if channels == 1 else pixels).save(folder / f"{i:04d}.png")
+    return root
 
 
 def warning_lines(stderr: str) -> list[str]:

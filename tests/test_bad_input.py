@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import train
-from tests.conftest import QUIET, compose_config, run_train
+from tests.conftest import QUIET, compose_config, run_train, write_images
 
 RECIPES = ", ".join(train.available_recipes())
 
@@ -41,6 +41,13 @@ REFUSED = [
         "last.ckpt' cannot resume this run", "holds a run of recipe 'ema', not 'gan'", "resume it with +recipe=ema",
     ]),
     ("another seed's checkpoint", ["+recipe=ema", "seed=1", "ckpt_path={earlier}"], ["seed=0, not seed=1"]),
+    ("a required value left ???", ["+recipe=gan", "data=images"], ["data.root has no value", "data.root=..."]),
+    ("eval_samples too few for the grid", ["+recipe=gan", "model.eval_samples=50"], [
+        "model.eval_samples must be >= 100 (each validation writes a 10x10 grid of samples), got 50",
+    ]),
+    ("a file that does not decode", ["+recipe=gan", "data=images", "data.root={broken}", "data.image_size=16"], [
+        "broken.png does not decode as an image",
+    ]),
 ]  # fmt: skip
 
 OUT_OF_RANGE = [
@@ -55,6 +62,11 @@ OUT_OF_RANGE = [
     ("gan", "model.ema_decay=1", "model.ema_decay must be in [0, 1), got 1"),
     ("gan", "model.lr=0", "model.lr must be > 0, got 0"),
     ("gan", "data.batch_size=-2", "data.batch_size must be >= 1, got -2"),
+    ("gan", "model.eval_samples=99", "model.eval_samples must be >= 100 (each validation writes a 10x10 grid"),
+    ("gan", "model.network=cnn", "model.network must be one of auto, mlp, conv, got 'cnn'"),
+    ("gan", "model.network=conv", "model.network=conv needs square images whose side is a power of two, 16 or more"),
+    ("ema", "model.num_classes=5", "model.num_classes=5 but the data has 10: leave model.num_classes null"),
+    ("ema", "model.image_shape=[1,4,16]", "model.image_shape=[1, 4, 16] but the data has [1, 8, 8]"),
     ("dqn", "model.tau=0", "model.tau must be in (0, 1], got 0"),
     ("dqn", "model.lr=0", "model.lr must be > 0, got 0"),
     ("dqn", "model.batch_size=0", "model.batch_size must be >= 1, got 0"),
@@ -84,13 +96,21 @@ def earlier(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run_dir
 
 
+@pytest.fixture(scope="module")
+def broken(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of images, one of which is not an image."""
+    folder = write_images(tmp_path_factory.mktemp("broken"), 4)
+    (folder / "broken.png").write_bytes(b"not a png")
+    return folder
+
+
 @pytest.mark.parametrize(("args", "phrases"), [pytest.param(a, p, id=i) for i, a, p in REFUSED])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(
-    args: list[str], phrases: list[str], earlier: Path, tmp_path: Path
+    args: list[str], phrases: list[str], earlier: Path, broken: Path, tmp_path: Path
 ) -> None:
     before = snapshot(earlier)
     run_dir = tmp_path / "run"
-    result = run_train(*(a.format(earlier=earlier) for a in args), f"hydra.run.dir={run_dir}")
+    result = run_train(*(a.format(earlier=earlier, broken=broken) for a in args), f"hydra.run.dir={run_dir}")
     assert result.returncode == 2, result.stderr[-3000:]
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("error: ")
@@ -119,3 +139,24 @@ def test_out_of_range_value_is_refused_by_build_naming_its_key(
         train.build(compose_config(f"+recipe={recipe}", *override.split(), output_dir=tmp_path))
     assert str(refused.value).startswith(message)
     train.build(compose_config(f"+recipe={recipe}", output_dir=tmp_path))  # the control: the defaults build
+
+
+@pytest.mark.parametrize(
+    ("recipe", "folder", "message"),
+    [
+        (
+            "ema",
+            "unlabelled",
+            "recipe ema classifies, and the data has no labels: put each class's images in a subfolder",
+        ),
+        ("ema", "one class", "recipe ema classifies, and the data has 1 class"),
+    ],
+)
+def test_a_folder_a_recipe_cannot_use_is_refused_by_build(
+    recipe: str, folder: str, message: str, tmp_path: Path
+) -> None:
+    root = write_images(tmp_path / "images", 6, classes=0 if folder == "unlabelled" else 1)
+    overrides = ["data=images", f"data.root={root}", "data.image_size=16", "data.num_workers=0"]
+    with pytest.raises(ValueError) as refused:
+        train.build(compose_config(f"+recipe={recipe}", *overrides, output_dir=tmp_path))
+    assert str(refused.value).startswith(message)

@@ -1,5 +1,11 @@
-"""Recipe `gan`: gradient separation of the two steps (with the undetached step as the control), one
-generator forward per step, the memory the detach saves, outputs and sample quality of the default run."""
+"""Recipe `gan`: gradient separation of the two steps (with the undetached step as the control), one generator forward
+per step, D frozen in the G step, the memory the detach saves, an EMA update that allocates nothing and a swap that
+restores the live weights bit for bit, logged values without a graph; outputs and sample quality of the default run.
+
+The copy proofs take the model and the data from the project's configuration (``conf/recipe/gan.yaml`` composed by
+Hydra, as ``train.py`` does), so they prove whatever network and data that names: the recipe's own (``as
+configured``), and DCGAN's networks on a folder of images (``own images``), chosen by configuration alone. No test
+here pins a network's size."""
 
 from __future__ import annotations
 
@@ -11,14 +17,47 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from components import MemoryProbe
-from recipes.digits import DigitsDataModule
-from recipes.gan import DigitsGAN, Discriminator, Generator, _bce, discriminator_loss
-from tests.conftest import DEVICES, run_train, warning_lines
+import train
+from components import CopyAudit, GraphRetentionGuard, MemoryProbe
+from recipes.gan import GAN, _bce, discriminator_loss, sample_grid
+from recipes.networks import ConvDiscriminator, has_batch_norm
+from tests.conftest import DEVICES, QUIET, compose_config, run_train, warning_lines, write_images
+
+# Short runs: a judge of one epoch on the 100 samples the grid needs, no validation.
+SHORT = ("model.judge_epochs=1", "model.eval_samples=100", "trainer.limit_val_batches=0", "trainer.max_epochs=-1")
+
+
+@pytest.fixture(scope="module")
+def image_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Unlabelled 16x16 RGB images: another data set, for another network."""
+    return write_images(tmp_path_factory.mktemp("images"), 48, size=16)
+
+
+CONFIGS = [
+    pytest.param((), id="as configured"),
+    pytest.param(
+        ("data=images", "data.root={images}", "data.image_size=16", "data.num_workers=0", "model.network=conv",
+         "model.conv_width=8", "data.batch_size=16"),
+        id="own images",
+    ),
+]  # fmt: skip
+
+
+def build(overrides: tuple[str, ...], image_folder: Path, tmp_path: Path, *extra: str) -> tuple[pl.Trainer, GAN, Any]:
+    """Trainer, model and data module exactly as ``python train.py +recipe=gan OVERRIDES`` would make them."""
+    args = [o.format(images=image_folder) for o in overrides]
+    cfg = compose_config("+recipe=gan", *QUIET, *SHORT, *args, *extra, output_dir=tmp_path)
+    return train.build(cfg)
+
+
+def real_batch(model: GAN, datamodule: Any) -> torch.Tensor:
+    """A training batch of real images in [-1, 1], shaped as the generator's output."""
+    batch = next(iter(datamodule.train_dataloader()))
+    return batch[0].view(-1, *model.image_shape) * 2 - 1
 
 
 class StepInspector(pl.Callback):
-    """Checks, just before each optimizer step, which module holds gradients."""
+    """Checks, just before each optimizer step, which module holds gradients and that D's flags came back."""
 
     def __init__(self) -> None:
         self.checked = {"generator": 0, "discriminator": 0}
@@ -37,37 +76,38 @@ class StepInspector(pl.Callback):
             self.checked["generator"] += 1
 
 
-def fit(module: DigitsGAN, callbacks: list[pl.Callback], max_steps: int) -> None:
-    pl.seed_everything(0)
-    trainer = pl.Trainer(
-        accelerator="cpu", max_steps=max_steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, limit_val_batches=0, callbacks=callbacks,
-    )  # fmt: skip
-    trainer.fit(module, datamodule=DigitsDataModule(batch_size=32))
+@pytest.mark.parametrize("overrides", CONFIGS)
+def test_each_step_writes_gradients_only_into_its_own_network_and_logs_no_graph(
+    overrides: tuple[str, ...], image_folder: Path, tmp_path: Path
+) -> None:
+    trainer, model, datamodule = build(overrides, image_folder, tmp_path, "trainer.max_steps=6")
+    inspector, guard = StepInspector(), GraphRetentionGuard(mode="raise")
+    trainer.callbacks += [inspector, guard]  # the guard fails the fit at the first step whose outputs hold a graph
+    trainer.fit(model, datamodule=datamodule)
+    assert inspector.checked == {"generator": 3, "discriminator": 3}  # Lightning counts each optimizer's step
+    logged = {k: v for k, v in trainer.callback_metrics.items() if k.startswith("train/")}
+    assert logged and all(v.grad_fn is None and not v.requires_grad for v in logged.values())
 
 
-def test_each_step_writes_gradients_only_into_its_own_network() -> None:
-    inspector = StepInspector()
-    fit(DigitsGAN(judge_epochs=1), [inspector], max_steps=6)  # Lightning counts each optimizer's step
-    assert inspector.checked == {"generator": 3, "discriminator": 3}
-
-
-def test_generator_runs_once_per_training_step() -> None:
-    module = DigitsGAN(judge_epochs=1)
+@pytest.mark.parametrize("overrides", CONFIGS)
+def test_generator_runs_once_per_training_step(overrides: tuple[str, ...], image_folder: Path, tmp_path: Path) -> None:
+    trainer, model, datamodule = build(overrides, image_folder, tmp_path, "trainer.max_steps=10")
     calls = []
-    module.generator.register_forward_hook(lambda *_: calls.append(1))
-    fit(module, [], max_steps=10)  # 5 training steps, two optimizer steps each
+    model.generator.register_forward_hook(lambda *_: calls.append(1))
+    trainer.fit(model, datamodule=datamodule)  # 5 training steps, two optimizer steps each
     assert len(calls) == 5
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_detach_keeps_gradients_out_of_the_generator_and_the_control_does_not(device: str) -> None:
-    torch.manual_seed(0)
-    g, d = Generator(32, 256).to(device), Discriminator(256, 0.0).to(device)
-    real = torch.rand(64, 64, device=device) * 2 - 1
-    fake = g(torch.randn(64, 32, device=device))
+@pytest.mark.parametrize("overrides", CONFIGS)
+def test_detach_keeps_gradients_out_of_the_generator_and_the_control_does_not(
+    overrides: tuple[str, ...], device: str, image_folder: Path, tmp_path: Path
+) -> None:
+    _, model, datamodule = build(overrides, image_folder, tmp_path)
+    g, d = model.generator.to(device), model.discriminator.to(device)
+    real = real_batch(model, datamodule).to(device)
+    fake = g(torch.randn(len(real), model.hparams.latent, device=device))
     d_loss = discriminator_loss(d, real, fake.detach())
-    torch.testing.assert_close(d_loss, _bce(d(real), 1.0) + _bce(d(fake.detach()), 0.0))  # one forward, same loss
     assert all(x is None for x in torch.autograd.grad(d_loss, list(g.parameters()), allow_unused=True))
     control = discriminator_loss(d, real, fake)  # without detach()
     assert all(x is not None for x in torch.autograd.grad(control, list(g.parameters()), retain_graph=True))
@@ -76,11 +116,14 @@ def test_detach_keeps_gradients_out_of_the_generator_and_the_control_does_not(de
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_discriminator_step_peak_memory_is_lower_with_detach(device: str) -> None:
-    torch.manual_seed(0)
-    g, d = Generator(32, 256).to(device), Discriminator(256, 0.0).to(device)
-    real = torch.rand(256, 64, device=device) * 2 - 1
-    z = torch.randn(256, 32, device=device)
+@pytest.mark.parametrize("overrides", CONFIGS)
+def test_discriminator_step_peak_memory_is_lower_with_detach(
+    overrides: tuple[str, ...], device: str, image_folder: Path, tmp_path: Path
+) -> None:
+    _, model, datamodule = build(overrides, image_folder, tmp_path)
+    g, d = model.generator.to(device), model.discriminator.to(device)
+    real = real_batch(model, datamodule).to(device)
+    z = torch.randn(len(real), model.hparams.latent, device=device)
 
     def d_step(detach: bool) -> int:
         fake = g(z)  # built outside the probe: the same for both
@@ -95,6 +138,50 @@ def test_discriminator_step_peak_memory_is_lower_with_detach(device: str) -> Non
     print(f"discriminator step peak on {device}: {with_detach} B with detach(), {without} B without")
     generator_grads = sum(p.numel() * p.element_size() for p in g.parameters())
     assert without - with_detach >= generator_grads  # G's parameter gradients, at least
+
+
+@pytest.mark.parametrize("overrides", CONFIGS)
+def test_the_generator_ema_updates_without_allocating_and_its_swap_is_exact(
+    overrides: tuple[str, ...], image_folder: Path, tmp_path: Path
+) -> None:
+    trainer, model, datamodule = build(overrides, image_folder, tmp_path, "trainer.max_steps=8")
+    trainer.fit(model, datamodule=datamodule)
+    ema, g = model.g_ema, model.generator
+    assert ema is not None
+    with CopyAudit() as audit:
+        ema.update(g)
+    assert audit.bytes_allocated == 0, audit.summary()
+    assert audit.count("_foreach_lerp_") > 0
+    pairs = [(s, p) for s, p in zip(ema.shadow.values(), g.state_dict().values(), strict=True) if s.is_floating_point()]
+    with CopyAudit() as control:  # the control: an out-of-place average makes a new tensor per weight
+        [s.lerp(p, 0.001) for s, p in pairs]
+    assert control.bytes_allocated > 0
+
+    live = {k: v.clone() for k, v in g.state_dict().items()}
+    with ema.average_weights(g):
+        assert all(torch.equal(g.state_dict()[k], v) for k, v in ema.shadow.items())
+        g(torch.randn(4, model.hparams.latent))  # a train-mode forward, as DCGAN samples: BatchNorm writes its stats
+    assert all(torch.equal(g.state_dict()[k], v) for k, v in live.items())  # the live weights, bit for bit
+    assert any(not torch.equal(live[k], v) for k, v in ema.shadow.items())  # not vacuous: the average differs
+
+
+def test_a_discriminator_with_batchnorm_sees_real_and_fake_apart_and_one_forward_would_mix_them() -> None:
+    torch.manual_seed(0)
+    d = ConvDiscriminator((3, 16, 16), 8)
+    assert has_batch_norm(d)
+    real, fake = torch.rand(8, 3, 16, 16) * 2 - 1, torch.rand(8, 3, 16, 16) * 2 - 1
+    torch.testing.assert_close(discriminator_loss(d, real, fake), _bce(d(real), 1.0) + _bce(d(fake), 0.0))
+    mixed = d(torch.cat([real, fake]))  # the control: one forward normalises each half with both halves' statistics
+    assert not torch.allclose(mixed[:8], d(real))
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+def test_the_sample_grid_is_ten_by_ten_of_the_data_shape(channels: int) -> None:
+    picture = sample_grid(torch.zeros(100, channels, 16, 16))
+    assert picture.mode == ("L" if channels == 1 else "RGB")
+    assert picture.size == (10 * 18 * 3, 10 * 18 * 3)  # a pixel of border each side; scaled to 400 or more across
+    with pytest.raises(ValueError, match="square number"):
+        sample_grid(torch.zeros(99, channels, 16, 16))
 
 
 def test_short_run_writes_samples_and_summary(tmp_path: Path) -> None:
@@ -114,6 +201,25 @@ def test_short_run_writes_samples_and_summary(tmp_path: Path) -> None:
     assert "generator_ema" in checkpoint and bool(checkpoint["state_dict"]["judge_trained"])
 
 
+def test_unlabelled_images_get_frechet_figures_and_a_monitored_best_checkpoint(
+    image_folder: Path, tmp_path: Path
+) -> None:
+    """No labels: the judge is an autoencoder, the figures are Frechet distances only, and the best checkpoint is
+    chosen on the EMA generator's distance (``recipe.monitor``)."""
+    trainer, model, datamodule = build(
+        CONFIGS[1].values[0], image_folder, tmp_path, "trainer.max_epochs=2", "trainer.limit_val_batches=1",
+        "trainer.check_val_every_n_epoch=1", "trainer.max_steps=-1",
+    )  # fmt: skip
+    assert model.judge.num_classes is None
+    trainer.fit(model, datamodule=datamodule)
+    metrics = trainer.callback_metrics
+    assert {"quality/fid_ema", "quality/fid", "quality/fid_floor"} <= set(metrics)
+    assert not any("confidence" in k or "min_class" in k for k in metrics)
+    best = trainer.checkpoint_callback
+    assert best is not None and best.monitor == "quality/fid_ema" and Path(best.best_model_path).is_file()
+    assert (tmp_path / "samples.png").is_file()
+
+
 @pytest.mark.slow  # the full default run: 200 epochs, about 100 s on 2 cores
 def test_default_run_samples_are_confident_and_cover_every_class(tmp_path: Path) -> None:
     result = run_train("+recipe=gan", "trainer.enable_progress_bar=false", f"hydra.run.dir={tmp_path}")
@@ -130,10 +236,10 @@ def test_default_run_samples_are_confident_and_cover_every_class(tmp_path: Path)
     assert m["quality/fid_ema"] > m["quality/fid_floor"]  # the floor is a floor
 
 
-def test_a_sharded_strategy_is_refused_in_setup() -> None:
+def test_a_sharded_strategy_is_refused_in_setup(tmp_path: Path) -> None:
     """Lightning's ModelParallelStrategy gives the module a device mesh before ``setup``; the subprocess test in
     tests/test_fsdp.py (slow) runs it under trainer=fsdp."""
-    model = DigitsGAN()
+    _, model, _ = build((), Path(), tmp_path)
     model._device_mesh = object()  # what ModelParallelStrategy sets
     with pytest.raises(ValueError, match="recipe gan does not run sharded: it alternates two networks"):
         model.setup("fit")
