@@ -291,14 +291,22 @@ def plan(recipe: str, name: str, root: Path = ROOT) -> Starter:
     return Starter(recipe, dict(sorted(files.items())), dependencies, dropped, added)
 
 
+def _chosen_groups(recipe_yaml: Path) -> set[str]:
+    """The config groups a recipe's defaults list chooses from (``- /data: digits`` chooses from ``data``)."""
+    return set(re.findall(r"^\s*-\s*(?:override\s+)?/?(\w+)(?:@[\w.]+)?\s*:", recipe_yaml.read_text(), re.M))
+
+
 def _conf_files(root: Path, recipe: str) -> list[Path]:
-    """Every config file but the other recipes' ``conf/recipe/NAME.yaml`` and their own groups (``conf/NAME/``)."""
+    """Every config file but the other recipes' ``conf/recipe/NAME.yaml``, their own groups (``conf/NAME/``), and the
+    groups that recipes choose from in their defaults lists (``conf/data/``) unless this recipe does."""
     conf = root / "conf"
     others = set(known_recipes(root)) - {recipe}
+    chosen = {name: _chosen_groups(conf / "recipe" / f"{name}.yaml") for name in known_recipes(root)}
+    left_out = others | set().union(*chosen.values()) - chosen[recipe]
     return sorted(
         path
         for path in conf.rglob("*.yaml")
-        if (path.parent != conf / "recipe" or path.stem == recipe) and path.relative_to(conf).parts[0] not in others
+        if (path.parent != conf / "recipe" or path.stem == recipe) and path.relative_to(conf).parts[0] not in left_out
     )
 
 
@@ -458,6 +466,7 @@ def _readme(root: Path, recipe: str, name: str, files: dict[str, Path | str]) ->
     start = re.sub(r"\+recipe=[\w-]+", f"+recipe={recipe}", quickstart((root / "README.md").read_text()))
     components = sorted(p.removeprefix("components/") for p in files if p.startswith("components/"))
     tests = sorted(p.removeprefix("tests/") for p in files if p.startswith("tests/test_"))
+    groups = sorted({p.split("/")[1] for p in files if p.startswith("conf/") and p.count("/") == 2} - {"recipe"})
     return f"""# {name}
 
 Started from the `{recipe}` recipe of copy-correct by its `scripts/new_project.py`.
@@ -476,16 +485,34 @@ Started from the `{recipe}` recipe of copy-correct by its `scripts/new_project.p
 
 The recipe is `recipes/{recipe}.py` (its docstring says what it shows), its hyperparameters are in
 `conf/recipe/{recipe}.yaml`; override any of them on the command line: `python train.py +recipe={recipe} key=value`.
-
+{_own_data(recipe, files)}
 ## What is here
 
 | path | what |
 | --- | --- |
 | `train.py` | the Hydra entry point |
-| `conf/` | `config.yaml`, the `trainer/`, `logger/` and `callbacks/` groups, `recipe/{recipe}.yaml` |
+| `conf/` | `config.yaml`, {", ".join(f"`{g}/`" for g in groups)} groups, `recipe/{recipe}.yaml` |
 | `recipes/` | {", ".join(f"`{p.removeprefix('recipes/')}`" for p in files if p.startswith("recipes/"))} |
 | `components/` | {", ".join(f"`{c}`" for c in components)}: only the modules this recipe and its tests use |
 | `tests/` | {", ".join(f"`{t}`" for t in tests)} |
+"""
+
+
+def _own_data(recipe: str, files: dict[str, Path | str]) -> str:
+    """The README's section on training with your own images, for a starter that has the ``data=images`` option."""
+    if "conf/data/images.yaml" not in files:
+        return ""
+    return f"""
+## Your own data
+
+```bash
+python train.py +recipe={recipe} data=images data.root=DIR    # DIR/*.png, or DIR/CLASS/*.png for labelled images
+```
+
+The keys (`image_size`, `channels`, `resize`, `convert`, ...) are in `conf/data/images.yaml`; the networks follow the
+data's shape (`model.network`, `recipes/networks.py`). To make your data the default, change `- /data: digits` to
+`- /data: images` in `conf/recipe/{recipe}.yaml` and set `root:` in `conf/data/images.yaml`: the tests compose that
+configuration, so `pytest` then proves the copies of your networks on your data.
 """
 
 

@@ -4,6 +4,7 @@ only what the recipe needs; bad arguments stop with one line."""
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import subprocess
@@ -11,8 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from scripts.new_project import ROOT, known_recipes, main, normalise_name, plan, quickstart
+from tests.conftest import write_images
 
 RECIPES = known_recipes()
 
@@ -144,6 +147,34 @@ def test_starter_holds_only_the_components_and_tests_it_needs(tmp_path: Path) ->
     pinned = generate("pinned", tmp_path / "pinned")
     assert (pinned / "conf" / "pinned" / "gpu_scale.yaml").is_file()  # the recipe's own option group comes along
     assert not (metrics / "conf" / "pinned").exists()  # another recipe's does not
+    # The data group comes with the recipes that choose from it (`- /data: digits`), with the modules it names.
+    assert (ema / "conf" / "data" / "images.yaml").is_file() and (ema / "recipes" / "image_folder.py").is_file()
+    assert not (metrics / "conf" / "data").exists() and not (dqn / "recipes" / "image_folder.py").exists()
+    assert "## Your own data" in (ema / "README.md").read_text()
+    assert "## Your own data" not in (metrics / "README.md").read_text()
+
+
+def test_a_gan_starter_trains_on_a_folder_of_64x64_rgb_images_with_no_code_edits(tmp_path: Path) -> None:
+    """The starter as generated, a folder of unlabelled 64x64 RGB PNG files, and the command its README gives (plus
+    a short run's sizes): the images are decoded by the data module's workers, DCGAN's networks take them, and the
+    sample grid is of 64x64 images."""
+    dest = generate("gan", tmp_path / "my-gan")
+    images = write_images(tmp_path / "photos", 40, size=64)
+    run_dir = tmp_path / "run"
+    short = ["trainer.max_epochs=1", "trainer.check_val_every_n_epoch=1", "model.eval_samples=100",
+             "model.judge_epochs=1", "model.conv_width=8", "trainer.enable_progress_bar=false"]  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "train.py", "+recipe=gan", "data=images", f"data.root={images}", *short,
+         f"hydra.run.dir={run_dir}"],
+        cwd=dest, env=clean_env(), capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    with Image.open(run_dir / "samples.png") as grid:
+        assert grid.size == (10 * 66, 10 * 66) and grid.mode == "RGB"  # 10x10 images of 64x64, a pixel of border
+    metrics = json.loads((run_dir / "summary.json").read_text())["metrics"]
+    assert {"quality/fid_ema", "quality/fid_floor"} <= set(metrics) and "quality/confidence_ema" not in metrics
+    hparams = (run_dir / ".hydra" / "config.yaml").read_text()
+    assert "recipes.image_folder.ImageFolderDataModule" in hparams
 
 
 SMALL_TREE = {
