@@ -23,7 +23,8 @@ the judge as the feature extractor) between real training images and ``eval_samp
 same distance between real training and real validation images (the floor). With labels it also reports the mean
 confidence of its predictions and the share of the rarest predicted class (mode collapse shows as a class near 0).
 Each validation epoch writes a 10x10 grid of the EMA generator's samples: ``samples_epochNNN.png`` and
-``samples.png``.
+``samples.png``. A checkpoint's generator weights are the average (``GAN.load_from_checkpoint`` samples from the EMA
+generator); the live ones are beside them (``generator_live``), and a resumed fit trains on from those.
 
 Change first: the data (``data=images data.root=DIR``, its keys in ``conf/data/images.yaml``) and the widths in
 ``conf/recipe/gan.yaml``; then the networks in ``recipes/networks.py``.
@@ -310,11 +311,22 @@ class GAN(pl.LightningModule):
     # -- checkpoints ---------------------------------------------------------------------------------------
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self.g_ema is not None:
-            checkpoint["generator_ema"] = self.g_ema.state_dict()
+        if self.g_ema is None:
+            return
+        ema = self.g_ema.state_dict()
+        checkpoint["generator_ema"] = ema
+        # Copy decision: the checkpoint's generator weights are the average, so `GAN.load_from_checkpoint` (what a
+        # user samples from) returns the EMA generator; the live weights go beside them, for resuming. All are the
+        # tensors themselves, not copies: torch.save writes each storage once.
+        weights = checkpoint["state_dict"]
+        checkpoint["generator_live"] = {name: weights[f"generator.{name}"] for name in ema["shadow"]}
+        weights.update({f"generator.{name}": value for name, value in ema["shadow"].items()})
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         self._pending_ema = checkpoint.get("generator_ema")
+        live = checkpoint.get("generator_live")
+        if live is not None and self._trainer is not None:  # a fit resumed: it trains on from the live weights
+            checkpoint["state_dict"].update({f"generator.{name}": value for name, value in live.items()})
 
 
 def sample_grid(samples: torch.Tensor) -> Image.Image:

@@ -199,6 +199,11 @@ def test_short_run_writes_samples_and_summary(tmp_path: Path) -> None:
     assert (tmp_path / "samples.png").is_file() and (tmp_path / "samples_epoch001.png").is_file()
     checkpoint = torch.load(summary["checkpoints"]["last"], weights_only=True)
     assert "generator_ema" in checkpoint and bool(checkpoint["state_dict"]["judge_trained"])
+    # The checkpoint's generator is the average, what a user loading it to sample wants; the live one is beside it.
+    loaded = GAN.load_from_checkpoint(summary["checkpoints"]["last"], weights_only=True)
+    average, live = checkpoint["generator_ema"]["shadow"], checkpoint["generator_live"]
+    assert all(torch.equal(loaded.generator.state_dict()[k], v) for k, v in average.items())
+    assert any(not torch.equal(live[k], v) for k, v in average.items())  # not vacuous: the two differ
 
 
 def test_unlabelled_images_get_frechet_figures_and_a_monitored_best_checkpoint(
