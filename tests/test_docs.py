@@ -30,7 +30,7 @@ QUOTED_RANGES = {
         ".venv/bin/pytest",
     ),
     "conf/recipe/metrics.yaml:25:28": ("callbacks:", "mode: raise"),
-    "conf/recipe/ema.yaml:25:30": ("callbacks:", "evaluate: both"),
+    "conf/recipe/ema.yaml:30:35": ("callbacks:", "evaluate: both"),
     "recipes/dqn.py:124:125": (
         "# Copy decision: one deep copy, once. From here on the target is only written in place.",
         "self.target = make_target(self.q)",

@@ -24,7 +24,7 @@ import torch
 import train
 from components import ResumeState
 from recipes.digits import DigitsDataModule
-from recipes.dqn import CartPoleDQN
+from recipes.dqn import DQN
 from tests.conftest import ON_CPU, QUIET, ROOT, compose_config, run_train
 
 RUNS = {
@@ -37,15 +37,15 @@ RUNS = {
 }  # fmt: skip
 # What each recipe's checkpoint must hold, so that comparing it is not comparing nothing.
 MUST_HOLD = {
-    "ema": ["callbacks/EMACallback{'decay': 0.995}/ema/shadow/net.0.weight", "DigitsDataModule/shuffle"],
+    "ema": ["callbacks/EMACallback{'decay': 0.995}/ema/shadow/net.body.1.weight", "DigitsDataModule/shuffle"],
     "dqn": ["state_dict/target.net.0.weight", "replay_buffer/obs", "dqn/rng", "dqn/episode_actions"],
-    "gan": ["generator_ema/shadow/net.0.weight", "state_dict/judge.head.weight", "DigitsDataModule/shuffle"],
+    "gan": ["generator_ema/shadow/net.0.weight", "state_dict/judge.net.head.weight", "DigitsDataModule/shuffle"],
 }
 ALWAYS = ["state_dict", "optimizer_states/0/state", "callbacks/ResumeState/rng/0/torch", "loops"]
 STEPS = {"ema": 4 * 90, "dqn": 7 * 16, "gan": 4 * 23 * 2}  # optimizer steps of the whole run
 WITHHELD = {  # the control: resuming without this leaves the run elsewhere
     "ema": (DigitsDataModule, "load_state_dict"),  # the shuffle generator: epochs would repeat the first orders
-    "dqn": (CartPoleDQN, "replay_episode"),  # the episode in progress: the environment would start a new one
+    "dqn": (DQN, "replay_episode"),  # the episode in progress: the environment would start a new one
     "gan": (ResumeState, "on_train_start"),  # the global generators: other latents, other dropout masks
 }
 
