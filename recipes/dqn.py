@@ -1,7 +1,8 @@
-"""Recipe ``dqn``: deep Q-learning on CartPole with a target network kept current by in-place copies.
+"""Recipe ``dqn``: deep Q-learning on a gymnasium environment with a target network kept current by in-place copies.
 
-    python train.py +recipe=dqn                      # hard target update every target_update_every steps
+    python train.py +recipe=dqn                      # CartPole-v1; hard target update every target_update_every steps
     python train.py +recipe=dqn model.tau=0.005 model.target_update_every=1     # soft (Polyak) updates
+    python train.py +recipe=dqn env.id=Acrobot-v1    # any environment with Discrete actions and Box observations
 
 What it shows:
   * The target network is ``make_target(q)``: a frozen copy with storage of its own, no gradients, never in
@@ -10,23 +11,24 @@ What it shows:
     dtype group, no allocation, never ``load_state_dict`` in the loop, never ``.data``.
   * The bootstrap target ``r + gamma * max Q_target(s')`` is computed under ``no_grad``: no graph through
     the target network, so no gradient can reach it and no activations of it are kept.
-  * Experience lives in a preallocated ``ReplayBuffer``; samples are independent tensors.
-  * Truncation (CartPole's 500-step limit) is not termination: those transitions still bootstrap.
+  * Experience lives in a preallocated ``ReplayBuffer`` built from the spaces; samples are independent tensors.
+  * Truncation (a time limit: CartPole's 500 steps) is not termination: those transitions still bootstrap.
 
 One Lightning "batch" is one round: ``train_freq`` environment steps, then ``gradient_steps`` updates.
 Greedy evaluation (``eval_episodes`` episodes) every ``eval_every`` environment steps, after the updates of the
 round that reaches the mark (so the checkpoint taken then holds the evaluated policy), is logged as
-``eval/return``; the run directory gets ``return_curve.png``. DQN runs in one process (``trainer=ddp`` and
-``trainer=fsdp`` are refused): environment steps are sequential, and averaging gradients of ranks that explore
-differently would change the algorithm.
+``eval/return``; the first evaluation to reach the environment's ``spec.reward_threshold`` (CartPole-v1: 475,
+Acrobot-v1: -100; some environments have none) is logged as ``eval/solved_at_step``; the run directory gets
+``return_curve.png``. DQN runs in one process (``trainer=ddp`` and ``trainer=fsdp`` are refused): environment
+steps are sequential, and averaging gradients of ranks that explore differently would change the algorithm.
 
 Checkpoints (after any round) resume bit for bit: besides the networks and Adam's state they hold the
 replay buffer, the counters, both generators' states, the curves, and the current episode as the
 environment generator's state at its reset plus its actions so far; resuming replays that episode, which
 lands on the checkpoint's observation exactly (checked) because gymnasium environments are deterministic
-given their generator.
+given their generator. A checkpoint of a run on another environment is refused.
 
-Change first: ``QNetwork`` and the environment id; the defaults follow well-known CartPole settings.
+Change first: ``QNetwork`` and the environment (``env.id``); the defaults follow well-known CartPole settings.
 """
 
 from __future__ import annotations
@@ -44,9 +46,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from components import ReplayBuffer, hard_update, make_target, soft_update
+from components import CheckpointMismatch, ReplayBuffer, hard_update, make_target, soft_update
 
-__all__ = ["CartPoleDQN", "QNetwork"]
+__all__ = ["DQN", "QNetwork", "make_env"]
 
 # The training "data" is a clock (round numbers the step never reads) and the rest of the state is in the
 # checkpoint, so Lightning's warning that a plain loader starts its epoch over when resumed mid-epoch is moot.
@@ -58,11 +60,9 @@ warnings.filterwarnings("ignore", message=r"You're resuming from a checkpoint th
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
 warnings.filterwarnings("ignore", message=r"Using ModelCheckpoint with manual optimization and every_n_train_steps")
 
-SOLVED = 475.0
-
 
 class QNetwork(nn.Module):
-    """An MLP from observations to one value per action."""
+    """An MLP from observations (of any shape, flattened; cast to float32) to one value per action."""
 
     def __init__(self, obs_dim: int, n_actions: int, hidden: int) -> None:
         super().__init__()
@@ -71,10 +71,10 @@ class QNetwork(nn.Module):
         )
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.net(obs)
+        return self.net(obs.reshape(len(obs), -1).float())  # views and no-ops for float32 vectors: no copy
 
 
-class CartPoleDQN(pl.LightningModule):
+class DQN(pl.LightningModule):
     """DQN with a replay buffer and a target network; manual optimisation, several updates per round."""
 
     def __init__(
@@ -117,13 +117,13 @@ class CartPoleDQN(pl.LightningModule):
                 raise ValueError(f"model.{name} must be >= 1, got {value}")
         self.save_hyperparameters()
         self.automatic_optimization = False
-        self.env = gym.make(env_id)
-        self.eval_env = gym.make(env_id)
-        obs_dim = self.env.observation_space.shape[0]
+        self.env, self.eval_env = make_env(env_id), make_env(env_id)
+        self.reward_threshold: float | None = self.env.spec.reward_threshold  # None: no solved_at_step
+        obs_dim = math.prod(self.env.observation_space.shape)
         self.q = QNetwork(obs_dim, self.env.action_space.n, hidden)
         # Copy decision: one deep copy, once. From here on the target is only written in place.
         self.target = make_target(self.q)
-        self.buffer = ReplayBuffer(buffer_size, (obs_dim,))
+        self.buffer = ReplayBuffer(buffer_size, self.env.observation_space, self.env.action_space)
         self.rng = np.random.default_rng(seed)
         self.sampler = torch.Generator().manual_seed(seed)
         self.env_steps = 0
@@ -135,7 +135,7 @@ class CartPoleDQN(pl.LightningModule):
         self.curve: list[tuple[int, float]] = []  # (env step, training episode return)
         self.evals: list[tuple[int, float]] = []  # (env step, mean greedy return)
 
-    def train(self, mode: bool = True) -> CartPoleDQN:
+    def train(self, mode: bool = True) -> DQN:
         super().train(mode)
         self.target.eval()  # Copy decision: the target is a frozen snapshot, in eval mode whatever the parent's
         return self
@@ -236,7 +236,8 @@ class CartPoleDQN(pl.LightningModule):
         self.log("eval/return", mean, prog_bar=True)
         self.log("eval/best_return", best)
         self.log("env_steps", float(self.env_steps))
-        solved = [step for step, value in self.evals if value >= SOLVED]
+        threshold = self.reward_threshold
+        solved = [step for step, value in self.evals if threshold is not None and value >= threshold]
         if solved:
             self.log("eval/solved_at_step", float(solved[0]))
 
@@ -245,7 +246,8 @@ class CartPoleDQN(pl.LightningModule):
 
     def on_train_end(self) -> None:
         if self.trainer.is_global_zero:
-            plot_returns(self.curve, self.evals, Path(self.trainer.default_root_dir) / "return_curve.png")
+            path = Path(self.trainer.default_root_dir) / "return_curve.png"
+            plot_returns(self.curve, self.evals, path, self.hparams.env_id, self.reward_threshold)
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["replay_buffer"] = self.buffer.state_dict()
@@ -253,11 +255,16 @@ class CartPoleDQN(pl.LightningModule):
             "env_steps": self.env_steps, "updates": self.updates, "episode_return": self.episode_return,
             "rng": self.rng.bit_generator.state, "sampler": self.sampler.get_state(), "obs": torch.tensor(self.obs),
             "episode_start": self.episode_start, "episode_actions": torch.tensor(self.episode_actions).long(),
-            "curve": self.curve, "evals": self.evals,
+            "curve": self.curve, "evals": self.evals, "env_id": self.hparams.env_id,
         }  # fmt: skip
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint["dqn"]
+        saved_env = state.get("env_id", "CartPole-v1")  # checkpoints written before env.id existed are CartPole's
+        if saved_env != self.hparams.env_id:
+            raise CheckpointMismatch(
+                f"it is a run on {saved_env} and this run's env.id (model.env_id) is {self.hparams.env_id}"
+            )
         self.buffer.load_state_dict(checkpoint["replay_buffer"])
         self.env_steps, self.updates = state["env_steps"], state["updates"]
         self.episode_return = state["episode_return"]
@@ -284,8 +291,15 @@ class CartPoleDQN(pl.LightningModule):
         self.episode_start, self.episode_actions = start, actions
 
 
-def plot_returns(curve: list[tuple[int, float]], evals: list[tuple[int, float]], path: Path) -> None:
-    """Training episode returns and greedy evaluation returns against environment steps, as a PNG."""
+def plot_returns(
+    curve: list[tuple[int, float]],
+    evals: list[tuple[int, float]],
+    path: Path,
+    env_id: str,
+    threshold: float | None = None,
+) -> None:
+    """Training episode returns and greedy evaluation returns against environment steps, as a PNG titled with
+    ``env_id``; ``threshold`` (the environment's reward threshold), when given, is a dashed line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -298,12 +312,44 @@ def plot_returns(curve: list[tuple[int, float]], evals: list[tuple[int, float]],
     if evals:
         steps, returns = zip(*evals, strict=True)
         ax.plot(steps, returns, "o-", label="greedy evaluation (mean of episodes)")
-    ax.axhline(SOLVED, color="grey", ls="--", lw=0.8, label=f"{SOLVED:g}")
+    if threshold is not None:
+        ax.axhline(threshold, color="grey", ls="--", lw=0.8, label=f"reward threshold {threshold:g}")
     ax.set_xlabel("environment steps")
     ax.set_ylabel("episode return")
-    ax.set_title("DQN on CartPole")
+    ax.set_title(f"DQN on {env_id}")
     ax.legend(loc="best", framealpha=0.9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+# Environments with Discrete actions and Box observations that gymnasium registers, named in refusals.
+SUGGESTED_ENVS = "CartPole-v1, Acrobot-v1, MountainCar-v0 or LunarLander-v3 (needs gymnasium[box2d])"
+LISTING = "python -c 'import gymnasium; gymnasium.pprint_registry()' lists every id"
+
+
+def make_env(env_id: str) -> gym.Env:
+    """``gym.make(env_id)`` for DQN: a ``ValueError`` of one line naming ``model.env_id`` (the config's ``env.id``)
+    when gymnasium cannot make it, its action space is not ``Discrete`` from 0 (a DQN picks the action of the largest
+    Q-value, by index) or its observation space is not a ``Box``."""
+    where = f"model.env_id={env_id} (env.id)"
+    try:
+        env = gym.make(env_id)
+    except (gym.error.Error, ModuleNotFoundError) as err:
+        said = " ".join(str(err).split())
+        raise ValueError(f"{where} cannot be made: {said.rstrip('.')}; try {SUGGESTED_ENVS} ({LISTING})") from err
+    actions, observations = env.action_space, env.observation_space
+    if not isinstance(actions, gym.spaces.Discrete):
+        kind = "a continuous" if isinstance(actions, gym.spaces.Box) else "a non-Discrete"
+        problem = f"has {kind} action space ({actions}); recipe dqn needs a Discrete one"
+        problem += " (a DQN picks the action of the largest Q-value)"
+    elif actions.start != 0:
+        problem = f"numbers its actions from {actions.start} ({actions}); recipe dqn takes the Q-network's index"
+        problem += " as the action, so they must start at 0"
+    elif not isinstance(observations, gym.spaces.Box):
+        problem = f"has {observations} observations; recipe dqn needs a Box (an array the Q-network flattens)"
+    else:
+        return env
+    env.close()
+    raise ValueError(" ".join(f"{where} {problem}: try {SUGGESTED_ENVS}".split()))
