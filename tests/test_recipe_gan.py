@@ -16,6 +16,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+from torch import nn
 
 import train
 from components import CopyAudit, GraphRetentionGuard, MemoryProbe
@@ -50,10 +51,15 @@ def build(overrides: tuple[str, ...], image_folder: Path, tmp_path: Path, *extra
     return train.build(cfg)
 
 
-def real_batch(model: GAN, datamodule: Any) -> torch.Tensor:
-    """A training batch of real images in [-1, 1], shaped as the generator's output."""
-    batch = next(iter(datamodule.train_dataloader()))
-    return batch[0].view(-1, *model.image_shape) * 2 - 1
+def networks_on(
+    device: str, overrides: tuple[str, ...], image_folder: Path, tmp_path: Path
+) -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:
+    """The configured generator and discriminator on ``device``, a training batch of real images in [-1, 1] shaped
+    as the generator's output, and as many latents."""
+    _, model, datamodule = build(overrides, image_folder, tmp_path)
+    real = next(iter(datamodule.train_dataloader()))[0].view(-1, *model.image_shape) * 2 - 1
+    z = torch.randn(len(real), model.hparams.latent, device=device)
+    return model.generator.to(device), model.discriminator.to(device), real.to(device), z
 
 
 class StepInspector(pl.Callback):
@@ -103,10 +109,8 @@ def test_generator_runs_once_per_training_step(overrides: tuple[str, ...], image
 def test_detach_keeps_gradients_out_of_the_generator_and_the_control_does_not(
     overrides: tuple[str, ...], device: str, image_folder: Path, tmp_path: Path
 ) -> None:
-    _, model, datamodule = build(overrides, image_folder, tmp_path)
-    g, d = model.generator.to(device), model.discriminator.to(device)
-    real = real_batch(model, datamodule).to(device)
-    fake = g(torch.randn(len(real), model.hparams.latent, device=device))
+    g, d, real, z = networks_on(device, overrides, image_folder, tmp_path)
+    fake = g(z)
     d_loss = discriminator_loss(d, real, fake.detach())
     assert all(x is None for x in torch.autograd.grad(d_loss, list(g.parameters()), allow_unused=True))
     control = discriminator_loss(d, real, fake)  # without detach()
@@ -120,10 +124,7 @@ def test_detach_keeps_gradients_out_of_the_generator_and_the_control_does_not(
 def test_discriminator_step_peak_memory_is_lower_with_detach(
     overrides: tuple[str, ...], device: str, image_folder: Path, tmp_path: Path
 ) -> None:
-    _, model, datamodule = build(overrides, image_folder, tmp_path)
-    g, d = model.generator.to(device), model.discriminator.to(device)
-    real = real_batch(model, datamodule).to(device)
-    z = torch.randn(len(real), model.hparams.latent, device=device)
+    g, d, real, z = networks_on(device, overrides, image_folder, tmp_path)
 
     def d_step(detach: bool) -> int:
         fake = g(z)  # built outside the probe: the same for both
