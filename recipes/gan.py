@@ -177,7 +177,7 @@ class GAN(pl.LightningModule):
         self._g_grads: GradientAverager | None = None  # under DDP only
         self._d_grads: GradientAverager | None = None
         self._pending_ema: dict[str, Any] | None = None
-        self._real: torch.Tensor | None = None  # eval_samples real training images in [-1, 1], read at fit start
+        self._real: torch.Tensor | None = None  # eval_samples real training images in [-1, 1], on the device
         self.fid_floor: float | None = None
 
     def train(self, mode: bool = True) -> GAN:
@@ -246,11 +246,12 @@ class GAN(pl.LightningModule):
             self.g_ema.load_state_dict(self._pending_ema)
             self._pending_ema = None
         real, labels = self.trainer.datamodule.eval_images("train", self.hparams.eval_samples)
-        self._real = real.view(-1, *self.image_shape) * 2 - 1
+        # Copy decision: to the device once, here; every validation compares against these same images.
+        self._real = real.to(self.device).view(-1, *self.image_shape) * 2 - 1
         if not self.judge_trained:
             self.judge.train()
             target = None if labels is None else labels.to(self.device)
-            self.judge.fit(self._real.to(self.device), target, self.hparams.judge_epochs, self.hparams.seed)
+            self.judge.fit(self._real, target, self.hparams.judge_epochs, self.hparams.seed)
             self.judge_trained.fill_(True)
         if self.global_rank > 0:
             # Lightning seeds every rank alike: without this each rank would draw the same z and the same dropout
@@ -265,7 +266,7 @@ class GAN(pl.LightningModule):
     def on_validation_epoch_end(self) -> None:
         if self.g_ema is None or self._real is None or self.trainer.sanity_checking:
             return
-        real = self._real.to(self.device)
+        real = self._real
         if self.fid_floor is None:
             val, _ = self.trainer.datamodule.eval_images("val", self.hparams.eval_samples)
             self.fid_floor = self.frechet(real, val.to(self.device).view(-1, *self.image_shape) * 2 - 1)

@@ -216,6 +216,7 @@ class PinnedDigitsDataModule(DigitsDataModule):
             raise ValueError(f"data.batches_per_epoch must be >= 1, got {batches_per_epoch}")
         super().__init__(batch_size, val_fraction, seed, num_workers)
         self.prefetch, self.source, self.max_shift, self.seed = prefetch, source, max_shift, seed
+        self.image_shape = (channels, size, size)  # what the batches hold, not the digits' (1, 8, 8)
         self.size, self.channels, self.store_size, self.batches_per_epoch = (
             size,
             channels,

@@ -159,6 +159,7 @@ def test_the_generator_ema_updates_without_allocating_and_its_swap_is_exact(
     assert control.bytes_allocated > 0
 
     live = {k: v.clone() for k, v in g.state_dict().items()}
+    g.train()
     with ema.average_weights(g):
         assert all(torch.equal(g.state_dict()[k], v) for k, v in ema.shadow.items())
         g(torch.randn(4, model.hparams.latent))  # a train-mode forward, as DCGAN samples: BatchNorm writes its stats

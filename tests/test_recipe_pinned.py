@@ -160,3 +160,9 @@ def test_grid_mean_backpropagates_under_deterministic_algorithms_where_the_pooli
     assert x.grad is not None
     with pytest.raises(RuntimeError, match="does not have a deterministic implementation"):  # the control
         nn.AdaptiveAvgPool2d(4)(x).sum().backward()
+
+
+def test_the_data_module_says_the_shape_of_the_images_it_makes_not_the_digits() -> None:
+    data = PinnedDigitsDataModule(size=32, channels=3, max_shift=2, num_workers=0)
+    images, _ = data.train_set[0]
+    assert data.image_shape == tuple(images.shape) == (3, 32, 32)
