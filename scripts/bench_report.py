@@ -33,9 +33,24 @@ the same work can cost.
 
 
 def write_section(path: Path, key: str, title: str, header: str, body: str) -> None:
-    """Replace (or append) the section between ``<!-- key:start -->`` and ``<!-- key:end -->``."""
+    """Replace (or append) the section between ``<!-- key:start -->`` and ``<!-- key:end -->``. When ``path`` is a
+    page of the manual (its folder holds ``index.md``), the section's ratio columns are charted beside its tables
+    (``scripts.figure_bench``), so a table and its chart never disagree."""
     start, end = f"<!-- {key}:start -->", f"<!-- {key}:end -->"
-    section = f"{start}\n## {title}\n\n{header}\n\n{body}\n{end}"
+    in_manual = (path.parent / "index.md").is_file()
+    block = f"<!-- figure:bench-{key}:start -->\n<!-- figure:bench-{key}:end -->\n\n" if in_manual else ""
+    _replace_section(path, start, end, f"{start}\n## {title}\n\n{header}\n\n{block}{body}\n{end}")
+    if in_manual:
+        from scripts.figure_bench import draw_section_chart
+        from scripts.figure_pages import provenance
+
+        command = re.search(r"with `([^`]+)`", header)
+        made_by = provenance().sentence(command[1] if command else f"scripts/bench_*.py ({key})")
+        if draw_section_chart(path.parent, path.name, key, made_by) is None:  # no ratio column: no chart
+            _replace_section(path, start, end, f"{start}\n## {title}\n\n{header}\n\n{body}\n{end}")
+
+
+def _replace_section(path: Path, start: str, end: str, section: str) -> None:
     text = path.read_text() if path.exists() else INTRO
     pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.DOTALL)
     text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip("\n") + f"\n\n{section}\n"
