@@ -111,7 +111,14 @@ def metrics_figures(ctx: Context) -> None:
 
 def ema_figures(ctx: Context) -> None:
     quick = (
-        ["trainer.max_epochs=2", "trainer.limit_train_batches=5", "trainer.limit_val_batches=2"] if ctx.quick else []
+        [
+            "trainer.max_epochs=2",
+            "trainer.limit_train_batches=5",
+            "trainer.limit_val_batches=2",
+            "trainer.log_every_n_steps=1",
+        ]
+        if ctx.quick
+        else []
     )
     runs = {
         "default": ["+recipe=ema", *quick],
@@ -282,45 +289,42 @@ def dqn_figures(ctx: Context) -> None:
 
 
 def pinned_figures(ctx: Context) -> None:
-    quick = (
-        ["trainer.max_epochs=2", "trainer.limit_train_batches=4", "trainer.limit_val_batches=1"] if ctx.quick else []
-    )
+    if ctx.quick:
+        epochs = ["trainer.max_epochs=2", "trainer.limit_train_batches=4", "trainer.limit_val_batches=1",
+                  "trainer.log_every_n_steps=1"]  # fmt: skip
+    else:
+        epochs = ["trainer.max_epochs=5"]  # the split settles after an epoch; 15 would triple the time, not the figure
     sources = ["workers"] if ctx.quick else ["workers", "store"]
     bars: dict[str, tuple[float, float]] = {}
     for source in sources:
         for prefetch in ("true", "false"):
-            overrides = ["+recipe=pinned", f"data.source={source}", f"data.prefetch={prefetch}", *quick]
+            overrides = ["+recipe=pinned", f"data.source={source}", f"data.prefetch={prefetch}", *epochs]
             name = f"{source}, prefetch {'on' if prefetch == 'true' else 'off'}"
             run = run_recipe(overrides, ctx.runs / f"pinned-{source}-{prefetch}", description=f"pinned {name}")
             bars[name] = _step_split(run)
     gpu = _h200_split(ctx.docs / "gpu-results.md")
     fig, axes = plt.subplots(2 if gpu else 1, 1, figsize=(8, 5.2 if gpu else 2.6), squeeze=False)
     _split_bars(
-        axes[0][0],
-        bars,
-        "this machine: recipe pinned, batches of 128 uint8 images 64x64",
+        axes[0][0], bars, "this machine: recipe pinned, batches of 128 uint8 images 64x64",
         ("the step (forward, backward, optimizer)", "waiting for the batch (loader, copy)"),
-    )
+    )  # fmt: skip
     if gpu:
         _split_bars(
-            axes[1][0],
-            gpu,
-            "H200, scripts/bench_loading.py: 18.4 MiB batches, compute as long as one copy",
+            axes[1][0], gpu, "H200, scripts/bench_loading.py: 18.4 MiB batches, compute as long as one copy",
             ("compute", "the rest: copy time not hidden behind compute"),
-        )
+        )  # fmt: skip
     fig.tight_layout()
-    cpu_wait = {name: wait / (wait + compute) for name, (wait, compute) in bars.items()}
+    shares = "; ".join(f"{name}: {100 * wait / (wait + step):.0f}%" for name, (wait, step) in bars.items())
     ctx.save(
         fig, "pinned-step-time", "recipes/pinned.md",
         "Time per training step split into waiting for data and the step itself, with and without the prefetcher",
-        "Left: mean time per training step of `python train.py +recipe=pinned data.source=SOURCE data.prefetch=P` "
-        "(epochs after the first), split by the recipe's `DataWaitMonitor` into waiting for the next batch (the "
-        "loader and the copy to the device) and the step: "
-        + ", ".join(f"{name} {100 * share:.0f}% waiting" for name, share in cpu_wait.items())
-        + ". On a CPU the prefetcher makes no copy, so both bars match. "
-        + ("Right: per batch, from `python scripts/bench_loading.py --device cuda` on an H200 at commit `7f50130` "
+        f"Top: mean time per training step of `python train.py +recipe=pinned data.source=SOURCE data.prefetch=P "
+        f"{' '.join(epochs)}` over the epochs after the first, split by the recipe's `DataWaitMonitor` into waiting "
+        f"for the next batch (the loader and the copy to the device) and the step. Waiting: {shares}. On a CPU the "
+        "prefetcher has no copy to hide, and the batches are ready before the step asks. "
+        + ("Bottom: per batch, from `python scripts/bench_loading.py --device cuda` on an H200 at commit `7f50130` "
            "([GPU results](../gpu-results.md#batch-loading-cuda)): the measured compute, and the rest of each batch's "
-           "time, the copy left in its way." if gpu else ""),
+           "time, the copy left in the step's way; the prefetcher hides most of it." if gpu else ""),
     )  # fmt: skip
 
 
