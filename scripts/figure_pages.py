@@ -48,8 +48,8 @@ IMAGE = re.compile(r"!\[[^\]]*\]\((?P<src>[^)\s]+)\)")
 
 @dataclass(frozen=True)
 class Provenance:
-    """The commit, machine and date a figure was measured at; ``commit`` ends in ``+changes`` when files outside
-    ``docs/`` differed from it."""
+    """The commit, machine and date a figure was measured at; ``commit`` ends in ``+changes`` when a file that can
+    change a run (anything but ``docs/`` and Markdown) differed from it."""
 
     commit: str
     machine: str
@@ -73,7 +73,7 @@ def machine(device: torch.device | str = "cpu") -> str:
 
 def provenance(device: torch.device | str = "cpu") -> Provenance:
     commit = _git("rev-parse", "--short", "HEAD") or "unknown"
-    if _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)docs"):
+    if _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)docs", ":(exclude,glob)**/*.md"):
         commit += "+changes"
     return Provenance(commit, machine(device), str(date.today()))
 
