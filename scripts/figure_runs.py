@@ -84,12 +84,17 @@ def run_recipe(
         shutil.rmtree(directory)
     cfg = compose_config([*overrides, *QUIET], directory)
     train.ignore_expected_warnings()
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # the bar replaces Lightning's own lines
-    trainer, model, datamodule = train.build(cfg)
-    if replace_model is not None:
-        model = replace_model(model)
-    trainer.callbacks.extend([*callbacks, RunProgress(description or " ".join(overrides))])
-    trainer.fit(model, datamodule=datamodule)
+    lightning_log = logging.getLogger("lightning.pytorch")
+    level = lightning_log.level
+    lightning_log.setLevel(logging.WARNING)  # the bar replaces Lightning's own lines
+    try:
+        trainer, model, datamodule = train.build(cfg)
+        if replace_model is not None:
+            model = replace_model(model)
+        trainer.callbacks.extend([*callbacks, RunProgress(description or " ".join(overrides))])
+        trainer.fit(model, datamodule=datamodule)
+    finally:
+        lightning_log.setLevel(level)
     metrics = directory / "metrics.csv"
     rows = list(csv.DictReader(metrics.open())) if metrics.exists() else []
     return Run("python train.py " + " ".join(overrides), trainer, model, rows)

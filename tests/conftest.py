@@ -122,7 +122,7 @@ def run_train(*args: str, timeout: int = 900) -> subprocess.CompletedProcess[str
 # reads a string ending in .py as a file the module needs.)
 LONGEST_FIRST = (
     "test_resume_recipes", "test_new_project", "test_atomic_sharded_checkpoint", "test_train",
-    "test_fsdp", "test_recipe_ema", "test_benchmarks", "test_ddp", "test_bad_input",
+    "test_fsdp", "test_recipe_ema", "test_benchmarks", "test_ddp", "test_bad_input", "test_figures",
     "test_recipe_pinned", "test_ema_callback", "test_sharded_callback", "test_prefetch", "test_sharded",
 )  # fmt: skip
 

@@ -62,7 +62,7 @@ def test_every_figure_the_manual_shows_exists_is_small_and_says_where_it_came_fr
         assert "+changes" not in body, f"{name}: drawn from code that was not committed"
     for path in on_disk:
         with Image.open(path) as image:
-            assert image.format == "PNG" and min(image.size) >= 200, path.name
+            assert image.format == "PNG" and min(image.size) >= 150, path.name
         assert path.stat().st_size <= MAX_BYTES, f"{path.name}: {path.stat().st_size} bytes"
 
 
