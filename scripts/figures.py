@@ -1,6 +1,6 @@
 """Draw the manual's figures from real runs: the recipes trained here, and the benchmark tables the bench scripts wrote.
 
-    python scripts/figures.py                    # every figure (about 5 minutes on 2 CPU cores)
+    python scripts/figures.py                    # every figure (about 11 minutes on 2 CPU cores)
     python scripts/figures.py gan dqn            # only these parts
     python scripts/figures.py --quick            # every part on a few steps: a smoke test, not the manual's figures
 
