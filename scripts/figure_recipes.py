@@ -80,10 +80,11 @@ def metrics_figures(ctx: Context) -> None:
             without_guard, _control("KeepsLossPathLogits", detach=False)),
     }  # fmt: skip
     fig, ax = plt.subplots(figsize=(7.5, 4))
-    slopes = {}
+    slopes, commands = {}, []
     for i, (label, (overrides, replace)) in enumerate(runs.items()):
         trace = MemoryTrace(start, steps)
-        run_recipe(overrides, ctx.runs / f"metrics-{i}", [trace], f"metrics {i + 1}/{len(runs)}", replace_model=replace)
+        run = run_recipe(overrides, ctx.runs / f"metrics-{i}", [trace], f"metrics {i + 1}/{len(runs)}", replace)
+        commands.append(run.command)
         kept = np.array(trace.kept, dtype=float) - trace.kept[0]  # the first step replaces what was there: a constant
         slopes[label] = kept[-1] / (len(kept) - 1)
         ax.plot(np.arange(len(kept)), kept / KIB, label=f"{label}: {slopes[label] / KIB:.2f} KiB/step")
@@ -96,9 +97,9 @@ def metrics_figures(ctx: Context) -> None:
         fig, "metrics-memory", "recipes/metrics.md",
         "Memory kept over training steps: flat for the recipe, climbing for the control that keeps a graph",
         f"Memory allocated since step {start + 1} and still alive after each of the next {steps} steps, "
-        "from `MemoryProbe`'s CPU ledger, the probe the tests read. Each control is the recipe's run (`python "
-        "train.py +recipe=metrics`, the guard removed) with the module replaced by a class of "
-        "`tests/test_recipe_metrics.py`. Measured slopes: the recipe "
+        f"from `MemoryProbe`'s CPU ledger, the probe the tests read. The recipe: `{commands[0]}`; each control is "
+        f"`{commands[1]}` with the module replaced by a class of `tests/test_recipe_metrics.py`. Measured slopes: "
+        "the recipe "
         f"{shipped:,.0f} B/step; undetached probe predictions fed to a list-state metric {leak:,.0f} B/step (their "
         f"graph's activations); the same detached {fixed:,.0f} B/step (the predictions themselves); this step's own "
         f"undetached logits {logits:,.0f} B/step, no more than the logits: backward already freed what their graph "
