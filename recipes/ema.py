@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torchmetrics.classification import MulticlassAccuracy
 
-from recipes.networks import ConvClassifier, MLPClassifier, pick_network
+from recipes.networks import ConvClassifier, MLPClassifier, image_shape_of, pick_network
 
 __all__ = ["NoisyClassifier"]
 
@@ -56,11 +56,7 @@ class NoisyClassifier(pl.LightningModule):
         momentum: float = 0.9,
     ) -> None:
         super().__init__()
-        if image_shape is None or len(image_shape) != 3:
-            raise ValueError(
-                f"model.image_shape must be (channels, height, width), got {image_shape}: train.py fills it from the "
-                "data module; pass it when you build the model yourself"
-            )
+        shape = image_shape_of(image_shape)
         if num_classes is None or num_classes < 2:
             raise ValueError(
                 f"recipe ema classifies, and the data has {'no labels' if num_classes is None else '1 class'}: put "
@@ -74,7 +70,6 @@ class NoisyClassifier(pl.LightningModule):
         if not 0 <= momentum < 1:
             raise ValueError(f"model.momentum must be in [0, 1), got {momentum}")
         self.save_hyperparameters()
-        shape = tuple(image_shape)
         if pick_network(network, shape) == "conv":
             self.net: nn.Module = ConvClassifier(shape, conv_width, num_classes)
         else:

@@ -55,6 +55,7 @@ from recipes.networks import (
     MLPDiscriminator,
     MLPGenerator,
     has_batch_norm,
+    image_shape_of,
     pick_network,
 )
 
@@ -140,11 +141,7 @@ class GAN(pl.LightningModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        if image_shape is None or len(image_shape) != 3:
-            raise ValueError(
-                f"model.image_shape must be (channels, height, width), got {image_shape}: train.py fills it from the "
-                "data module; pass it when you build the model yourself"
-            )
+        shape = image_shape_of(image_shape)
         for name, value in {"latent": latent, "hidden": hidden, "conv_width": conv_width}.items():
             if value < 1:
                 raise ValueError(f"model.{name} must be >= 1, got {value}")
@@ -163,7 +160,7 @@ class GAN(pl.LightningModule):
             raise ValueError(f"model.ema_decay must be in [0, 1), got {ema_decay}")
         self.save_hyperparameters()
         self.automatic_optimization = False
-        self.image_shape = tuple(image_shape)
+        self.image_shape = shape
         kind = pick_network(network, self.image_shape)
         if kind == "conv":
             self.generator: nn.Module = ConvGenerator(latent, conv_width, self.image_shape)

@@ -13,6 +13,7 @@ that shape first. No network here copies its input: ``flatten``, ``unflatten`` a
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from itertools import pairwise
 
 import torch
@@ -28,11 +29,24 @@ __all__ = [
     "MLPGenerator",
     "dcgan_init",
     "has_batch_norm",
+    "image_shape_of",
     "pick_network",
 ]
 
 NETWORKS = ("auto", "mlp", "conv")
 ImageShape = tuple[int, int, int]
+
+
+def image_shape_of(image_shape: Sequence[int] | None) -> ImageShape:
+    """``image_shape`` as a tuple ``(channels, height, width)``; ``ValueError`` naming ``model.image_shape`` when it is
+    missing or of another length (``train.py`` fills it from the data module; a model built by hand passes it)."""
+    if image_shape is None or len(image_shape) != 3:
+        raise ValueError(
+            f"model.image_shape must be (channels, height, width), got {image_shape}: train.py fills it from the "
+            "data module; pass it when you build the model yourself"
+        )
+    channels, height, width = image_shape
+    return channels, height, width
 
 
 def pick_network(network: str, image_shape: ImageShape) -> str:

@@ -334,7 +334,7 @@ def _step_split(run: Run) -> tuple[float, float]:
     when there is one), from the run's ``perf/samples_per_s`` and ``perf/data_wait_fraction``."""
     rate, wait = run.series("perf/samples_per_s"), run.series("perf/data_wait_fraction")
     epochs = list(zip(rate, wait, strict=True))[1:] or list(zip(rate, wait, strict=True))
-    batch = run.trainer.datamodule.hparams.get("batch_size", 128) if run.trainer.datamodule else 128
+    batch = run.trainer.datamodule.batch_size  # the configured data.batch_size: a step is one batch
     per_step = [batch / r * 1e3 for (_, r), _ in epochs]
     share = [w for _, (_, w) in epochs]
     ms = statistics.fmean(per_step)

@@ -30,6 +30,12 @@ QUIET = ("trainer.enable_progress_bar=false", "trainer.enable_model_summary=fals
 # For tests that are CPU-only by nature (bit-for-bit repeatability and resume, which the manual claims for CPU runs):
 # they run on the CPU even where a GPU is present, instead of on the device that `accelerator: auto` picks.
 ON_CPU = "trainer=cpu"
+# The recipes' copy tests run twice: as configured, and on a folder of 16x16 images (`{images}`, filled in by the test)
+# with the convolutional networks, chosen by configuration alone; each test adds what its recipe needs on top.
+OWN_IMAGES = (
+    "data=images", "data.root={images}", "data.image_size=16", "data.num_workers=0", "model.network=conv",
+    "model.conv_width=8",
+)  # fmt: skip
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -160,3 +160,16 @@ def test_a_folder_a_recipe_cannot_use_is_refused_by_build(
     with pytest.raises(ValueError) as refused:
         train.build(compose_config(f"+recipe={recipe}", *overrides, output_dir=tmp_path))
     assert str(refused.value).startswith(message)
+
+
+@pytest.mark.parametrize("image_shape", [None, (8, 8), [1, 8, 8, 1]])
+@pytest.mark.parametrize("model", ["ema", "gan"])
+def test_a_model_built_by_hand_without_an_image_shape_says_which_key(model: str, image_shape: object) -> None:
+    """``train.py`` fills ``model.image_shape`` from the data; a model built in your own code must be given it."""
+    from recipes.ema import NoisyClassifier
+    from recipes.gan import GAN
+
+    build = {"ema": lambda **kw: NoisyClassifier(num_classes=10, **kw), "gan": GAN}[model]
+    with pytest.raises(ValueError, match=r"^model\.image_shape must be \(channels, height, width\), got "):
+        build(image_shape=image_shape)
+    build(image_shape=[1, 8, 8])  # the control: three sizes, as a list (what a config holds), build

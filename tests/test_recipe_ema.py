@@ -14,16 +14,12 @@ import pytest
 
 import train
 from components import EMACallback, StepProbe, shares_storage
-from tests.conftest import QUIET, compose_config, run_train, warning_lines, write_images
+from tests.conftest import OWN_IMAGES, QUIET, compose_config, run_train, warning_lines, write_images
 
 CONFIGS = [
     pytest.param((), id="as configured"),
-    pytest.param(
-        ("data=images", "data.root={images}", "data.image_size=16", "data.num_workers=0", "model.network=conv",
-         "model.conv_width=8", "model.lr=0.05"),
-        id="own images",
-    ),
-]  # fmt: skip
+    pytest.param((*OWN_IMAGES, "model.lr=0.05"), id="own images"),
+]
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import train
 from components import CopyAudit, GraphRetentionGuard, MemoryProbe
 from recipes.gan import GAN, _bce, discriminator_loss, sample_grid
 from recipes.networks import ConvDiscriminator, has_batch_norm
-from tests.conftest import DEVICES, QUIET, compose_config, run_train, warning_lines, write_images
+from tests.conftest import DEVICES, OWN_IMAGES, QUIET, compose_config, run_train, warning_lines, write_images
 
 # Short runs: a judge of one epoch on the 100 samples the grid needs, no validation.
 SHORT = ("model.judge_epochs=1", "model.eval_samples=100", "trainer.limit_val_batches=0", "trainer.max_epochs=-1")
@@ -36,12 +36,8 @@ def image_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 CONFIGS = [
     pytest.param((), id="as configured"),
-    pytest.param(
-        ("data=images", "data.root={images}", "data.image_size=16", "data.num_workers=0", "model.network=conv",
-         "model.conv_width=8", "data.batch_size=16"),
-        id="own images",
-    ),
-]  # fmt: skip
+    pytest.param((*OWN_IMAGES, "data.batch_size=16"), id="own images"),
+]
 
 
 def build(overrides: tuple[str, ...], image_folder: Path, tmp_path: Path, *extra: str) -> tuple[pl.Trainer, GAN, Any]:
