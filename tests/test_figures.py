@@ -10,14 +10,19 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as pl
 import pytest
+import torch
 from PIL import Image
 
 from scripts import figures
 from scripts.bench_report import write_section
 from scripts.figure_bench import digest, ratio_panels, read_section_tables, recorded_digest, sections
 from scripts.figure_pages import FIGURES, IMAGE, figure_blocks, write_figure
+from scripts.figure_recipes import SampleGrids
+from scripts.figure_runs import run_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -122,6 +127,33 @@ def test_the_script_draws_every_figure_in_quick_mode_and_changes_nothing_else(tm
                 assert image.format == "PNG"
             assert "--quick` at commit" in body or name.startswith("bench-"), body
     assert (tmp_path / "runs" / "gan" / "metrics.csv").is_file()  # the runs stay, with what they logged
+
+
+class DrawsFromTheRunsStream(SampleGrids):
+    """The control: the same grids, with latents drawn from the global random stream the run trains on."""
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        torch.randn(self.count, pl_module.hparams.latent)
+        super().on_train_epoch_end(trainer, pl_module)
+
+
+def test_the_sample_grids_leave_the_gan_run_as_it_would_have_been(tmp_path: Path) -> None:
+    """The grids the gan figure shows are drawn inside the run; the run ends bit for bit as without them (eval-mode
+    forward, latents from a generator of their own, ``average_weights`` restoring the live weights). The control
+    draws its latents from the run's own stream, and the run trains on other noise."""
+    short = ["+recipe=gan", "trainer.max_epochs=2", "trainer.limit_train_batches=3", "trainer.limit_val_batches=0",
+             "trainer.log_every_n_steps=1", "model.eval_samples=100", "model.judge_epochs=1"]  # fmt: skip
+
+    def weights(*callbacks: pl.Callback) -> dict[str, torch.Tensor]:
+        run = run_recipe(short, tmp_path / f"run{len(list(tmp_path.iterdir()))}", callbacks)
+        model: Any = run.model
+        return {**model.state_dict(), **{f"ema.{k}": v for k, v in model.g_ema.state_dict()["shadow"].items()}}
+
+    grids, control = SampleGrids([1, 2]), DrawsFromTheRunsStream([1, 2])
+    plain, drawn, disturbed = weights(), weights(grids), weights(control)
+    assert sorted(grids.grids) == [1, 2] and grids.grids[2][0].shape == (64, 1, 8, 8)
+    assert plain.keys() == drawn.keys() and all(torch.equal(plain[k], drawn[k]) for k in plain)
+    assert any(not torch.equal(plain[k], disturbed[k]) for k in plain if k.startswith("generator."))
 
 
 @pytest.mark.parametrize(
