@@ -16,15 +16,15 @@ The networks follow the data (``model.network``, ``recipes/networks.py``): MLPs 
 convolutional generator and discriminator for square images whose side is a power of two (16 or more). ``train.py``
 fills ``model.image_shape`` and ``model.num_classes`` from the data module.
 
-Quality is judged by a network trained on ``eval_samples`` real training images when the run starts (seeded, part
-of this recipe): a classifier of their labels when the data has labels, otherwise an autoencoder (features that
-must reconstruct the image). Its features give a Frechet distance (torchmetrics' ``FrechetInceptionDistance`` with
-the judge as the feature extractor) between real training images and ``eval_samples`` generated ones, beside the
-same distance between real training and real validation images (the floor). With labels it also reports the mean
-confidence of its predictions and the share of the rarest predicted class (mode collapse shows as a class near 0).
-Each validation epoch writes a 10x10 grid of the EMA generator's samples: ``samples_epochNNN.png`` and
-``samples.png``. A checkpoint's generator weights are the average (``GAN.load_from_checkpoint`` samples from the EMA
-generator); the live ones are beside them (``generator_live``), and a resumed fit trains on from those.
+Quality is judged by a network trained on ``eval_samples`` real training images when the run starts (seeded,
+``recipes/gan_quality.py``): a classifier of their labels when the data has labels, otherwise an autoencoder (features
+that must reconstruct the image). Its features give a Frechet distance (torchmetrics' ``FrechetInceptionDistance`` with
+the judge as the feature extractor) between real training images and ``eval_samples`` generated ones, beside the same
+distance between real training and real validation images (the floor). With labels it also reports the mean confidence
+of its predictions and the share of the rarest predicted class (mode collapse shows as a class near 0). Each validation
+epoch writes a 10x10 grid of the EMA generator's samples: ``samples_epochNNN.png`` and ``samples.png``. A checkpoint's
+generator weights are the average (``GAN.load_from_checkpoint`` samples from the EMA generator); the live ones are
+beside them (``generator_live``), and a resumed fit trains on from those.
 
 Change first: the data (``data=images data.root=DIR``, its keys in ``conf/data/images.yaml``) and the widths in
 ``conf/recipe/gan.yaml``; then the networks in ``recipes/networks.py``.
@@ -32,26 +32,20 @@ Change first: the data (``data=images data.root=DIR``, its keys in ``conf/data/i
 
 from __future__ import annotations
 
-import math
-import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torchmetrics.image.fid import FrechetInceptionDistance
 
-from components import EMA, GradientAverager, frozen
+from copy_correct import EMA, GradientAverager, frozen
+from recipes.gan_quality import GRID, SAMPLE_CHUNK, Judge, sample_grid
 from recipes.networks import (
-    ConvClassifier,
     ConvDiscriminator,
     ConvGenerator,
-    MLPClassifier,
     MLPDiscriminator,
     MLPGenerator,
     has_batch_norm,
@@ -59,61 +53,7 @@ from recipes.networks import (
     pick_network,
 )
 
-__all__ = ["GAN", "GRID", "Judge", "discriminator_loss", "sample_grid"]
-
-# The judge is in eval mode on purpose: trained once before the GAN, it only evaluates.
-warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
-
-GRID = 10  # samples.png is a GRID x GRID grid of samples
-SAMPLE_CHUNK = 1024  # generated and judged this many at a time
-
-
-class Judge(nn.Module):
-    """The evaluation network: a classifier of the real images' labels, or, without labels, an autoencoder whose
-    head reconstructs the image from the features. ``body`` (its penultimate features) feeds the Frechet distance."""
-
-    def __init__(self, network: str, image_shape: tuple[int, int, int], num_classes: int | None) -> None:
-        super().__init__()
-        outputs = num_classes or math.prod(image_shape)  # unlabelled: the head reconstructs the pixels
-        self.net = (
-            MLPClassifier(image_shape, 128, outputs) if network == "mlp" else ConvClassifier(image_shape, 32, outputs)
-        )
-        self.num_classes, self.num_features = num_classes, self.net.num_features
-
-    @property
-    def body(self) -> nn.Module:
-        return self.net.body
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
-
-    def fit(self, images: torch.Tensor, labels: torch.Tensor | None, epochs: int, seed: int) -> None:
-        generator = torch.Generator().manual_seed(seed)
-        optimizer = torch.optim.Adam(self.parameters(), lr=1e-3)
-        with torch.enable_grad():
-            for _ in range(epochs):
-                for index in torch.randperm(len(images), generator=generator).split(64):
-                    x = images[index]
-                    if labels is None:
-                        loss = F.mse_loss(torch.tanh(self(x)), x.flatten(1))
-                    else:
-                        loss = F.cross_entropy(self(x), labels[index])
-                    optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    optimizer.step()
-        self.eval()
-
-
-class _Features(nn.Module):
-    """The judge's penultimate layer as a torchmetrics feature extractor."""
-
-    def __init__(self, judge: Judge) -> None:
-        super().__init__()
-        self.judge = judge
-        self.num_features = judge.num_features
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.judge.body(x)
+__all__ = ["GAN", "discriminator_loss"]
 
 
 class GAN(pl.LightningModule):
@@ -123,6 +63,10 @@ class GAN(pl.LightningModule):
     fills them from the data module. ``network`` picks the networks (``recipes.networks.pick_network``): ``hidden`` is
     the MLPs' width, ``conv_width`` the channels of DCGAN's layers next to the image (its ``ngf`` and ``ndf``).
     """
+
+    # The judge is in eval mode on purpose (trained once before the GAN, it only evaluates): ``train.py`` silences
+    # Lightning's warning about it for this recipe's run.
+    expected_warnings = (r"Found \d+ module\(s\) in eval mode at the start of training",)
 
     def __init__(
         self,
@@ -266,7 +210,7 @@ class GAN(pl.LightningModule):
         real = self._real
         if self.fid_floor is None:
             val, _ = self.trainer.datamodule.eval_images("val", self.hparams.eval_samples)
-            self.fid_floor = self.frechet(real, val.to(self.device).view(-1, *self.image_shape) * 2 - 1)
+            self.fid_floor = self.judge.frechet_distance(real, val.to(self.device).view(-1, *self.image_shape) * 2 - 1)
         z = torch.randn(
             self.hparams.eval_samples, self.hparams.latent, device=self.device,
             generator=torch.Generator(self.device).manual_seed(self.hparams.seed),
@@ -276,10 +220,10 @@ class GAN(pl.LightningModule):
             averaged = self.sample(z)
         for suffix, samples in (("_ema", averaged), ("", live)):
             if self.judge.num_classes is not None:
-                confidence, rarest = self.judge_samples(samples)
+                confidence, rarest = self.judge.confidence(samples)
                 self.log(f"quality/confidence{suffix}", confidence)
                 self.log(f"quality/min_class_fraction{suffix}", rarest)
-            self.log(f"quality/fid{suffix}", self.frechet(real, samples))
+            self.log(f"quality/fid{suffix}", self.judge.frechet_distance(real, samples))
         self.log("quality/fid_floor", self.fid_floor)
         if self.trainer.is_global_zero:
             picture = sample_grid(averaged[: GRID * GRID])
@@ -291,20 +235,6 @@ class GAN(pl.LightningModule):
     def sample(self, z: torch.Tensor) -> torch.Tensor:
         """The generator's images for ``z``, made ``SAMPLE_CHUNK`` at a time (as the generator is: live or average)."""
         return torch.cat([self.generator(chunk) for chunk in z.split(SAMPLE_CHUNK)])
-
-    def judge_samples(self, samples: torch.Tensor) -> tuple[float, float]:
-        """The judge's mean confidence on ``samples`` and the share of its rarest predicted class."""
-        probs = torch.cat([self.judge(chunk).softmax(dim=1) for chunk in samples.split(SAMPLE_CHUNK)])
-        counts = torch.bincount(probs.argmax(dim=1), minlength=self.judge.num_classes)
-        return probs.max(dim=1).values.mean().item(), (counts.min() / len(samples)).item()
-
-    def frechet(self, real: torch.Tensor, fake: torch.Tensor) -> float:
-        fid = FrechetInceptionDistance(feature=_Features(self.judge)).to(self.device)
-        for chunk in real.split(SAMPLE_CHUNK):
-            fid.update(chunk, real=True)
-        for chunk in fake.split(SAMPLE_CHUNK):
-            fid.update(chunk, real=False)
-        return fid.compute().item()
 
     # -- checkpoints ---------------------------------------------------------------------------------------
 
@@ -325,21 +255,6 @@ class GAN(pl.LightningModule):
         live = checkpoint.get("generator_live")
         if live is not None and self._trainer is not None:  # a fit resumed: it trains on from the live weights
             checkpoint["state_dict"].update({f"generator.{name}": value for name, value in live.items()})
-
-
-def sample_grid(samples: torch.Tensor) -> Image.Image:
-    """Images in [-1, 1], ``(N, C, H, W)`` with N a square, as one picture: a grid with a pixel of black around each
-    image, scaled up by a whole factor (nearest neighbour) until it is 400 pixels or more across."""
-    rows = math.isqrt(len(samples))
-    if rows * rows != len(samples) or samples.shape[1] not in (1, 3):
-        raise ValueError(f"sample_grid needs a square number of 1- or 3-channel images, got {tuple(samples.shape)}")
-    pixels = ((samples.detach().float() + 1) * 127.5).clamp(0, 255).to(torch.uint8).cpu().numpy()
-    channels, height, width = pixels.shape[1:]
-    pixels = np.pad(pixels, ((0, 0), (0, 0), (1, 1), (1, 1))).reshape(rows, rows, channels, height + 2, width + 2)
-    grid = pixels.transpose(0, 3, 1, 4, 2).reshape(rows * (height + 2), rows * (width + 2), channels)
-    picture = Image.fromarray(grid[:, :, 0] if channels == 1 else grid)
-    scale = max(1, math.ceil(400 / picture.width))
-    return picture.resize((picture.width * scale, picture.height * scale), Image.NEAREST)
 
 
 def _bce(logits: torch.Tensor, target: float) -> torch.Tensor:

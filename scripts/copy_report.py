@@ -1,7 +1,7 @@
 """Report what one training step of a recipe copies, and how much memory each step leaves behind.
 
-    python scripts/copy_report.py +recipe=metrics
-    python scripts/copy_report.py +recipe=metrics --start 20 --steps 200 model.hidden=512
+    python -m scripts.copy_report +recipe=metrics
+    python -m scripts.copy_report +recipe=metrics --start 20 --steps 200 model.hidden=512
 
 Composes the recipe's config like ``train.py`` (any override works), trains in a temporary directory
 until the measurement window closes, and prints the ``StepProbe`` report: every allocation and in-place
@@ -19,11 +19,11 @@ from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from copy_correct.lightning import StepProbe
+from recipes.build import build
+from recipes.launch import CONF_DIR, recipe_argument_error
 
-import train  # noqa: E402
-from components import StepProbe  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def main(argv: list[str]) -> int:
@@ -32,11 +32,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=100, help="batches in the memory window (default 100)")
     parser.add_argument("--max-growth", type=float, default=16.0, help="allowed bytes per batch (default 16)")
     args, overrides = parser.parse_known_args(argv)
-    problem = train.recipe_argument_error(overrides)
+    problem = recipe_argument_error(overrides)
     if problem:
         parser.error(problem)
     probe = StepProbe(args.start, args.steps, stop=True, trace=True)
-    with tempfile.TemporaryDirectory() as out, initialize_config_dir(str(train.CONF_DIR), version_base="1.3"):
+    with tempfile.TemporaryDirectory() as out, initialize_config_dir(str(CONF_DIR), version_base="1.3"):
         cfg = compose(
             "config",
             overrides=[
@@ -48,7 +48,7 @@ def main(argv: list[str]) -> int:
                 *overrides,
             ],
         )
-        trainer, model, datamodule = train.build(cfg)
+        trainer, model, datamodule = build(cfg)
         trainer.callbacks.append(probe)
         trainer.fit(model, datamodule=datamodule)
     print(probe.report())

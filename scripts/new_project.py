@@ -1,17 +1,18 @@
 """Clone one recipe as the start of your own project: ``python scripts/new_project.py RECIPE DEST``.
 
 Writes a standalone project into ``DEST`` (which must not exist or be empty): the recipe, its conf (only
-that recipe), ``train.py``, the components it imports and only those, the tests those files can run,
-``pyproject.toml`` and a README naming what to change first. Nothing is listed by hand; it is all found:
+that recipe), ``train.py``, the modules of ``copy_correct`` it imports and only those, the tests those files can
+run, ``pyproject.toml`` and a README naming what to change first. Nothing is listed by hand; it is all found:
 
 * Code: the imports (``ast``) of ``train.py``, ``recipes/RECIPE.py``, the conf's ``_target_``s and the
-  recipe's own tests (``tests/conftest.py``, ``tests/test_recipe_RECIPE.py``), followed transitively. A
-  name taken from ``components`` counts as the submodule ``components/__init__.py`` imports it from, and
-  the starter gets a ``components/__init__.py`` that exports only the names of the modules it has. A
-  subpackage that re-exports (``components/probes/``) is reduced the same way, and comes only when one
-  of its modules does.
-* A copied component's own test (``components/ema.py`` -> ``tests/test_ema.py``) comes with it, and with
-  the components it needs (the probes it measures with), unless it needs a recipe or a script.
+  recipe's own tests (``tests/conftest.py``, ``tests/recipes/test_RECIPE.py``), followed transitively. A
+  name taken from ``copy_correct`` counts as the submodule ``copy_correct/__init__.py`` imports it from, and
+  the starter gets a ``copy_correct/__init__.py`` that exports only the names of the modules it has. A
+  subpackage that re-exports (``copy_correct/lightning/``, ``copy_correct/probes/``) is reduced the same way, and
+  comes only when one of its modules does.
+* A copied module's own test (``OWN_TESTS``: ``copy_correct/ema.py`` -> ``tests/parts/test_ema.py``,
+  ``copy_correct/lightning/ema_callback.py`` -> ``tests/lightning/test_ema_callback.py``) comes with it, and with
+  the modules it needs (the probes it measures with), unless it needs a recipe or a script.
 * Other tests: each test file that imports something the starter has and nothing it lacks, and that names
   no file it lacks (``"scripts/x.py"``) and no other recipe (``"+recipe=gan"``, or a recipe's name among
   the strings of a test that builds ``f"+recipe={name}"``); helpers under ``tests/`` that a copied test
@@ -39,11 +40,16 @@ from itertools import pairwise
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run as a script: ROOT is not on the path yet
-
-from components._lazy import type_checking_imports  # noqa: E402
-
 TESTS = "tests"
+# Where a module's own test lives: the test tree follows the package's (``copy_correct/lightning/x.py`` ->
+# ``tests/lightning/test_x.py``).
+OWN_TESTS = {
+    "copy_correct": f"{TESTS}.parts",
+    "copy_correct.lightning": f"{TESTS}.lightning",
+    "copy_correct.probes": f"{TESTS}.probes",
+    "recipes": f"{TESTS}.recipes",
+    "recipes.data": f"{TESTS}.recipes",
+}
 _RECIPE_REF = re.compile(r"(?<![\w.])\+{0,2}recipe=(\w+)")
 _DEP_NAME = re.compile(r'^\s*"([A-Za-z0-9][A-Za-z0-9._-]*)')
 
@@ -77,7 +83,7 @@ class Needs:
 
 
 class SourceTree:
-    """Our first-party modules (``train``, ``components.ema``, ``tests.scripts.ddp_ema``) and what each needs."""
+    """Our first-party modules (``train``, ``copy_correct.ema``, ``tests.workers.ddp_ema``) and what each needs."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -102,20 +108,10 @@ class SourceTree:
         return self.paths[module].name == "__init__.py"
 
     def exports(self, package: str) -> dict[str, str] | None:
-        """Name -> submodule for a package whose ``__init__`` only re-exports its submodules' names, else None.
-
-        A lazy ``__init__`` (``components/_lazy.py``) lists them under ``if TYPE_CHECKING:``; an eager one imports them
-        at the top level and does nothing else."""
+        """Name -> submodule for a package whose ``__init__`` only re-exports its submodules' names (it imports them
+        at the top level and does nothing else), else None."""
         if package not in self.paths or not self.is_package(package):
             return None
-        lazy = {
-            alias.asname or alias.name: node.module
-            for node in type_checking_imports(self.tree(package))
-            if node.module and node.module.startswith(f"{package}.")
-            for alias in node.names
-        }
-        if lazy:
-            return lazy
         names: dict[str, str] = {}
         for node in self.tree(package).body:
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(f"{package}."):
@@ -139,8 +135,8 @@ class SourceTree:
         return None
 
     def loader(self, package: str) -> set[str]:
-        """The first-party modules a re-exporting ``__init__`` imports to run, its exports aside: for a lazy one, its
-        lazy-export helper; for an eager one, nothing."""
+        """The first-party modules a re-exporting ``__init__`` imports to run, its exports aside (none today: it
+        only re-exports)."""
         found = Needs()
         for node in self.tree(package).body:
             if isinstance(node, ast.ImportFrom) and node.module not in (None, "__future__"):
@@ -264,7 +260,7 @@ def plan(recipe: str, name: str, root: Path = ROOT) -> Starter:
     if f"recipes.{recipe}" not in tree.paths:
         raise StarterError(f"recipes/{recipe}.py does not exist")
     conf_files = _conf_files(root, recipe)
-    roots = {"train", f"recipes.{recipe}", f"{TESTS}.conftest", f"{TESTS}.test_recipe_{recipe}"} & set(tree.paths)
+    roots = {"train", f"recipes.{recipe}", f"{TESTS}.conftest", f"{TESTS}.recipes.test_{recipe}"} & set(tree.paths)
     conf_third_party: set[str] = set()
     for path in conf_files:
         for target in re.findall(r"_target_:\s*([\w.]+)", path.read_text()):
@@ -275,8 +271,7 @@ def plan(recipe: str, name: str, root: Path = ROOT) -> Starter:
             roots |= found.modules
             conf_third_party |= found.third_party
     modules = _with_own_tests(tree, _closure(tree, tree.with_packages(roots), recipe), recipe)
-    tests = _runnable_tests(tree, modules, recipe)
-    modules |= tests
+    modules |= tree.with_packages(_runnable_tests(tree, modules, recipe))
     third_party = conf_third_party.union(*(tree.needs(m).third_party for m in modules))
     pyproject, dependencies, dropped, added = _pyproject(root, name, recipe, third_party)
     files: dict[str, Path | str] = {path.relative_to(root).as_posix(): path for path in conf_files}
@@ -328,18 +323,24 @@ def _closure(tree: SourceTree, start: set[str], recipe: str) -> set[str]:
     return seen
 
 
+def own_test(module: str) -> str | None:
+    """The module name of ``module``'s own test (``OWN_TESTS``), or None for a module that has no test folder."""
+    package, _, name = module.rpartition(".")
+    return f"{OWN_TESTS[package]}.test_{name}" if package in OWN_TESTS else None
+
+
 def _with_own_tests(tree: SourceTree, modules: set[str], recipe: str) -> set[str]:
-    """``modules`` plus each copied module's own test (``components/x.py`` -> ``tests/test_x.py``) and what it
-    needs, when that is more of the module's own package (a probe it measures with), not a script or a recipe."""
+    """``modules`` plus each copied module's own test (``own_test``) and what it needs, when that is more of the
+    module's own top-level package (a probe it measures with), not a script or a recipe."""
     grew = True
     while grew:
         grew = False
         for module in sorted(modules):
-            test = f"{TESTS}.test_{module.rpartition('.')[2]}"
-            if "." not in module or module.startswith(f"{TESTS}.") or test not in tree.paths or test in modules:
+            test = own_test(module)
+            if test is None or test not in tree.paths or test in modules:
                 continue
             try:
-                grown = _closure(tree, modules | {test}, recipe)
+                grown = _closure(tree, tree.with_packages(modules | {test}), recipe)
             except StarterError:
                 continue
             if all(m.split(".")[0] in (module.split(".")[0], TESTS) for m in grown - modules):
@@ -380,7 +381,7 @@ def _reduced_init(tree: SourceTree, package: str, modules: set[str]) -> str:
     kept = [name for name, source in exports.items() if source in modules]
     dropped = set(exports) - set(kept)
     edits: list[tuple[int, int, str]] = []
-    for node in [*module_tree.body, *type_checking_imports(module_tree)]:
+    for node in module_tree.body:
         if isinstance(node, ast.ImportFrom) and node.module in exports.values() and node.module not in modules:
             edits.append((node.lineno, node.end_lineno or node.lineno, ""))
         elif _is_docstring_or_all(node) and isinstance(node, ast.Assign):
@@ -464,8 +465,8 @@ def quickstart(readme: str) -> str:
 def _readme(root: Path, recipe: str, name: str, files: dict[str, Path | str]) -> str:
     docstring = _docstring(root / "recipes" / f"{recipe}.py")
     start = re.sub(r"\+recipe=[\w-]+", f"+recipe={recipe}", quickstart((root / "README.md").read_text()))
-    components = sorted(p.removeprefix("components/") for p in files if p.startswith("components/"))
-    tests = sorted(p.removeprefix("tests/") for p in files if p.startswith("tests/test_"))
+    library = sorted(p.removeprefix("copy_correct/") for p in files if p.startswith("copy_correct/"))
+    tests = sorted(p.removeprefix("tests/") for p in files if p.startswith("tests/") and "/test_" in p)
     groups = sorted({p.split("/")[1] for p in files if p.startswith("conf/") and p.count("/") == 2} - {"recipe"})
     return f"""# {name}
 
@@ -493,7 +494,7 @@ The recipe is `recipes/{recipe}.py` (its docstring says what it shows), its hype
 | `train.py` | the Hydra entry point |
 | `conf/` | `config.yaml`, {", ".join(f"`{g}/`" for g in groups)} groups, `recipe/{recipe}.yaml` |
 | `recipes/` | {", ".join(f"`{p.removeprefix('recipes/')}`" for p in files if p.startswith("recipes/"))} |
-| `components/` | {", ".join(f"`{c}`" for c in components)}: only the modules this recipe and its tests use |
+| `copy_correct/` | {", ".join(f"`{c}`" for c in library)}: only the modules this recipe and its tests use |
 | `tests/` | {", ".join(f"`{t}`" for t in tests)} |
 """
 

@@ -96,6 +96,14 @@ def child_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *kept]), **extra}
 
 
+def env_without_checkout() -> dict[str, str]:
+    """The environment without anything that would put the main repository on the import path (other ``PYTHONPATH``
+    entries stay: a machine may provide packages there, as the GPU check does)."""
+    kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and Path(p).resolve() != ROOT]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    return {**env, "PYTHONPATH": os.pathsep.join(kept)} if kept else env
+
+
 def free_port() -> str:
     """A TCP port nobody listens on now: each multi-process test gets a rendezvous of its own."""
     with socket.socket() as s:
@@ -104,10 +112,10 @@ def free_port() -> str:
 
 
 def run_rank_script(script: str, out: Path, timeout: int = 300) -> list[dict]:
-    """``python tests/scripts/SCRIPT OUT`` with a port of its own (``TEST_PORT``); what each rank saved as
+    """``python tests/workers/SCRIPT OUT`` with a port of its own (``TEST_PORT``); what each rank saved as
     ``OUT/rank{r}.pt``, in rank order."""
     result = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "scripts" / script), str(out)],
+        [sys.executable, str(ROOT / "tests" / "workers" / script), str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=child_env(TEST_PORT=free_port()),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -124,15 +132,23 @@ def run_train(*args: str, timeout: int = 900) -> subprocess.CompletedProcess[str
 
 # The test files that take longest (on 2 cores, 2026-12-01), first: pytest-xdist (`--dist loadfile`) hands whole
 # files to its two workers in collection order, so a long file collected last would keep one worker busy while the
-# other idles. Files not named keep their order after these. (Module names, not file names: a starter's generator
-# reads a string ending in .py as a file the module needs.)
+# other idles. Files not named keep their order after these. (Paths under tests/ without the suffix: a starter's
+# generator reads a string ending in .py as a file the module needs.)
 LONGEST_FIRST = (
-    "test_resume_recipes", "test_new_project", "test_atomic_sharded_checkpoint", "test_train",
-    "test_fsdp", "test_recipe_ema", "test_benchmarks", "test_ddp", "test_bad_input", "test_figures",
-    "test_recipe_pinned", "test_ema_callback", "test_sharded_callback", "test_prefetch", "test_sharded",
+    "recipes/test_resume", "tools/test_new_project", "lightning/test_atomic_sharded_checkpoint", "recipes/test_train",
+    "distributed/test_fsdp", "recipes/test_ema", "tools/test_benchmarks", "distributed/test_ddp",
+    "recipes/test_bad_input", "tools/test_figures", "recipes/test_pinned", "lightning/test_ema_callback",
+    "distributed/test_sharded_callback", "distributed/test_prefetch_ddp", "distributed/test_sharded",
 )  # fmt: skip
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: a file's tests keep their order
+    tests = Path(__file__).resolve().parent
+
+    def key(item: pytest.Item) -> int:
+        path = Path(item.path)
+        name = path.relative_to(tests).with_suffix("").as_posix() if path.is_relative_to(tests) else path.stem
+        return rank.get(name, len(rank))
+
+    items.sort(key=key)  # stable: a file's tests keep their order

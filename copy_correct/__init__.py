@@ -1,0 +1,45 @@
+"""copy-correct: training parts whose tensor copies are proven by memory and gradient tests.
+
+Three layers, one import direction. The tensor parts here (``from copy_correct import EMA``) import torch and numpy
+only, and work in any PyTorch loop. The Lightning adapters (``copy_correct.lightning``) wrap them as callbacks and
+plugins and are the only modules that import Lightning. The probes (``copy_correct.probes``) measure what code
+copies, allocates and keeps alive; no training part imports them.
+
+Tensor parts:
+    EMA                  shadow weights averaged in place, one foreach call per group; sharded: per rank, no collective
+    make_target          a frozen copy of a network (own storage, no grad, eval mode)
+    hard_update          target <- online, in place, bit for bit, one foreach call per group
+    soft_update          target <- (1 - tau) target + tau online, in place
+    ReplayBuffer         preallocated transitions written in place, sampled as independent tensors
+    GradientAverager     a parameter list's gradients averaged over processes, one collective per dtype
+    frozen               a block in which a module's parameters do not require grad, flags restored after
+    DevicePrefetcher     batches on the device, the next one's copy overlapping compute on a side stream
+    map_tensors          a function applied to every tensor of a nested batch, the structure kept
+    DeviceDataLoader     a DataLoader whose iterator is a DevicePrefetcher (DDP samplers still injected)
+    make_loader          a loader that pins only for an accelerator, with or without the prefetcher
+    CheckpointMismatch   raised while restoring a checkpoint that does not fit the run (train.py: one line, exit 2)
+"""
+
+from copy_correct.device_loader import DeviceDataLoader, make_loader
+from copy_correct.ema import EMA
+from copy_correct.errors import CheckpointMismatch
+from copy_correct.freeze import frozen
+from copy_correct.grad_average import GradientAverager
+from copy_correct.prefetch import DevicePrefetcher, map_tensors
+from copy_correct.replay import ReplayBuffer
+from copy_correct.target import hard_update, make_target, soft_update
+
+__all__ = [
+    "EMA",
+    "CheckpointMismatch",
+    "DeviceDataLoader",
+    "DevicePrefetcher",
+    "GradientAverager",
+    "ReplayBuffer",
+    "frozen",
+    "hard_update",
+    "make_loader",
+    "make_target",
+    "map_tensors",
+    "soft_update",
+]

@@ -1,0 +1,523 @@
+"""``EMA``: exponential moving average ("shadow") weights, updated in place, outside autograd, grouped.
+
+Copy contract:
+
+* The shadow is plain tensors of its own (``ema.shadow[name]``, keyed by the model's ``state_dict()``
+  names), made once with ``detach().clone()`` at construction: ``requires_grad=False``, never an
+  ``nn.Parameter``, never in ``model.parameters()``, an optimizer, DDP's reducer or autograd. The module
+  itself is never deep-copied (``export()`` below makes a copy on request).
+* ``update(model)`` writes into the shadow in place under ``torch.no_grad()`` (whatever the caller's grad
+  mode): one ``torch._foreach_lerp_`` per (device, dtype) group of floating tensors, one
+  ``torch._foreach_copy_`` for integer buffers (``num_batches_tracked``). It allocates nothing, reads
+  no value back to the host, and raises each shadow tensor's version by one on every device (so does every
+  other write below: ``copy_correct._foreach_writes``). Floating buffers (BatchNorm statistics) are averaged
+  like parameters.
+* A model in float16/bfloat16 gets a float32 shadow (``shadow_dtype=None``): at decay 0.9999 a bf16
+  shadow rounds every small update away. A group whose shadow dtype or device differs from the model's
+  keeps a staging copy of the live tensors in the shadow's dtype and device, allocated once.
+* ``average_weights(model)`` copies the average into the model for the block and the live values back on exit (an
+  exception, ``KeyboardInterrupt`` included, too), bit for bit, through one backup of the live values per (device,
+  dtype) group, allocated on entry and freed on exit (one copy of the model's weights: diffusers' ``store``/``restore``
+  keeps the same). The shadow is only read, so nothing written into the model inside the block reaches the average: a
+  forward in training mode (BatchNorm statistics, DCGAN's way of sampling) or an optimizer step writes into the
+  model's copy, which is discarded; a written parameter also makes the block raise on exit, naming it (the version
+  counters tell). The swap through one scratch buffer that this replaced kept no backup, and such writes became the
+  average (``tests/parts/test_ema.py`` keeps it as the control). A nested ``average_weights`` of the same EMA changes
+  nothing: the model already holds the average.
+* The EMA knows when it is swapped (``swapped``). ``shadow`` maps each name to the shadow's tensor, which holds the
+  average at all times; ``state_dict``, ``load_state_dict``, ``copy_to`` (another model) and ``export`` read and write
+  it there, inside a block too. ``update`` and ``copy_to(model)`` raise inside a block: their result would be undone
+  when the block ends.
+* The average is only as good as its start: ``initial_share`` is the share of it that is still the weights it began
+  from. With the default warm-up (``warmup=True``) the first update's decay is 0 and the share is 0 from then on;
+  with ``warmup=False`` it is ``decay ** updates`` (0.74 after 300 updates at 0.999). The first use of the average
+  (``average_weights``, ``copy_to``, ``export``) warns once when it is above one half.
+* ``export()`` returns a new module holding the average, in eval mode: a ``copy.deepcopy`` of the model (parameters
+  and buffers cloned, gradients not), the average copied into it. The model and the shadow are only read.
+
+Sharded models (FSDP2: every parameter a ``DTensor``, each rank holding its shard; ``ema.sharded`` is True):
+
+* The shadow is per rank: each sharded parameter's shadow is a ``DTensor`` spread like it, whose local tensor
+  (``shadow[name].to_local()``) is a copy of this rank's shard and has its shape, so a rank keeps 1/N of the
+  shadow (buffers, which FSDP2 does not shard, are kept whole). Nothing is gathered to build it.
+* ``update`` runs its foreach calls on the local shards (``DTensor.to_local()``, a view, taken on each call): the
+  average of a shard is the shard of the average, so no collective is issued and nothing is allocated.
+  ``average_weights``, ``copy_to`` and ``load_state_dict`` copy and write shards the same way, with every
+  guarantee above (the backup of ``average_weights`` holds this rank's shards: 1/N of the weights). Before writing
+  into the model they drop FSDP2's gathered parameters (``reshard()``, local), so the next forward gathers the shards
+  as they are now instead of using a gathered copy of the values before.
+* ``state_dict`` holds the shadow as ``DTensor``s (save it with ``torch.distributed.checkpoint``) and, under
+  ``layout``, how each one is spread. Buffers stay plain tensors, each rank's own, and a distributed checkpoint
+  keeps one copy of a plain tensor, as if every rank held the same: save them when they agree (``EMACallback``
+  makes them agree). ``load_state_dict`` takes ``DTensor``s or full plain tensors (each rank copies its own part;
+  nothing is sent), and refuses, naming both, a state spread otherwise than the model (another world size, another
+  placement, or unsharded): never resharded silently.
+* ``full_state_dict()`` gathers the average once, on request, into full plain CPU tensors: a plain module's
+  ``state_dict``. ``export()`` cannot deep-copy a sharded model (FSDP2 forbids it) and says so.
+* Mixed precision (``MixedPrecisionPolicy(param_dtype=torch.bfloat16)``): FSDP2 keeps the sharded parameters in
+  float32 and casts only the gathered copies it computes with, so the shadow is a float32 average of the float32
+  sharded parameters, the weights the optimizer steps.
+
+Tensors are looked up once: parameters by object (stable across ``model.to(...)``), buffers by
+(module, name), because ``model.to(...)`` replaces buffer objects. Replacing a Parameter object after
+construction (``module.weight = nn.Parameter(...)``) needs a new ``EMA``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from copy import deepcopy
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from copy_correct._flat import flat_views
+from copy_correct._foreach_writes import foreach_copy_, foreach_lerp_
+from copy_correct._module_tensors import TensorRefs, state_entries, unwrap
+from copy_correct._sharding import from_local, is_sharded, layout, local, local_part, reshard
+
+__all__ = ["EMA"]
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class _Group:
+    """Shadow/live pairs that one foreach call can update: same devices and dtypes on each side."""
+
+    average: bool  # floating: lerp; integer: copy
+    live_device: torch.device
+    live_dtype: torch.dtype
+    shadows: list[torch.Tensor] = field(default_factory=list)
+    live: TensorRefs = field(default_factory=TensorRefs)
+    staging: list[torch.Tensor] = field(default_factory=list)  # when shadow and live differ in dtype/device
+    names: list[str] = field(default_factory=list)  # the state_dict name of each pair, for messages
+    parameters: list[bool] = field(default_factory=list)  # whether each pair's live tensor is a parameter
+
+
+@dataclass
+class _Swap:
+    """An ``average_weights`` block in progress: the live values to put back, and the model's versions to check."""
+
+    pairs: list[tuple[_Group, list[torch.Tensor]]]
+    backups: list[list[torch.Tensor]]  # per group: views of one flat tensor holding its live values
+    versions: list[list[int]]  # per group: each live tensor's version once it holds the average
+
+
+class EMA:
+    """Exponential moving average of a model's parameters (and buffers), kept outside the model.
+
+    Args:
+        model: the module whose weights are averaged.
+        decay: weight of the old average per update, in [0, 1).
+        warmup: ramp the decay as ``min(decay, 1 - (1 + k) ** -warmup_power)`` over the first updates k (the
+            default: the first update copies the weights, so the average never keeps the ones it was built from;
+            ``False``: ``decay`` from the first update, see ``initial_share``).
+        warmup_power: exponent of the ramp (2/3 reaches 0.999 after about 31,000 updates).
+        update_every: average on every n-th call of ``update`` (the others are free).
+        start_step: before this many ``update`` calls, the shadow copies the weights instead of averaging.
+        include_buffers: average floating buffers and copy integer ones; ``False``: parameters only.
+        shadow_dtype: dtype of the shadow's floating tensors; ``None``: float32 for float16/bfloat16
+            models, the model's dtype otherwise.
+        device: where the shadow lives; ``None``: beside each model tensor. ``"cpu"`` keeps a GPU model's
+            average in host memory (each update then waits for a device-to-host copy).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        decay: float = 0.999,
+        *,
+        warmup: bool = True,
+        warmup_power: float = 2 / 3,
+        update_every: int = 1,
+        start_step: int = 0,
+        include_buffers: bool = True,
+        shadow_dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay}")
+        if not warmup_power > 0:
+            raise ValueError(f"warmup_power must be > 0, got {warmup_power}")
+        if update_every < 1:
+            raise ValueError(f"update_every must be >= 1, got {update_every}")
+        if start_step < 0:
+            raise ValueError(f"start_step must be >= 0, got {start_step}")
+        if shadow_dtype is not None and not shadow_dtype.is_floating_point:
+            raise ValueError(f"shadow_dtype must be a floating dtype, got {shadow_dtype}")
+        self.decay = float(decay)
+        self.warmup = warmup
+        self.warmup_power = float(warmup_power)
+        self.update_every = update_every
+        self.start_step = start_step
+        self.include_buffers = include_buffers
+        self.shadow_dtype = shadow_dtype
+        self.device = torch.device(device) if device is not None else None
+        self.step = 0  # calls of update()
+        self.num_updates = 0  # averaging updates applied (the warm-up's k)
+        self._shadow: dict[str, torch.Tensor] = {}
+        self._slots: dict[str, tuple[int, int]] = {}  # name -> (group index, position in the group)
+        self._groups: list[_Group] = []
+        self._model = unwrap(model)
+        self.sharded = any(is_sharded(p) for p in self._model.parameters())
+        if self.sharded and self.device is not None:
+            raise ValueError(
+                f"device={device!r} is not supported for a sharded (FSDP2) model: leave device=None, each rank's "
+                "shadow then lives beside its shards"
+            )
+        self._swap: _Swap | None = None  # set while average_weights holds the average in the model
+        self._share_checked = False  # initial_share is checked once, when the average is first used
+        self._build(self._model)
+
+    # -- construction -------------------------------------------------------------------------------
+
+    def _build(self, model: nn.Module) -> None:
+        first_name: dict[int, str] = {}
+        groups: dict[tuple, _Group] = {}
+        reshard(model)  # the sharded parameters registered, not gathered copies
+        with torch.no_grad():
+            for name, live, owner in state_entries(model, self.include_buffers):
+                if id(live) in first_name:  # tied weights share one shadow
+                    self._shadow[name] = self._shadow[first_name[id(live)]]
+                    self._slots[name] = self._slots[first_name[id(live)]]
+                    continue
+                first_name[id(live)] = name
+                average = live.is_floating_point()
+                dtype = self._shadow_dtype_for(live.dtype) if average else live.dtype
+                device = self.device or live.device
+                shadow = local(live).to(device=device, dtype=dtype, copy=True)  # this rank's shard, when sharded
+                if is_sharded(live):
+                    self._shadow[name] = from_local(shadow, live)
+                else:
+                    self._shadow[name] = shadow
+                key = (shadow.device, shadow.dtype, live.device, live.dtype, average)
+                if key not in groups:
+                    groups[key] = _Group(average, live.device, live.dtype)
+                group = groups[key]
+                self._slots[name] = (list(groups).index(key), len(group.shadows))
+                group.shadows.append(shadow)
+                group.live.append(live, owner)
+                group.names.append(name)
+                group.parameters.append(owner is None)
+                if shadow.dtype != live.dtype or shadow.device != live.device:
+                    group.staging.append(torch.empty_like(shadow))
+        self._groups = list(groups.values())
+
+    def _shadow_dtype_for(self, dtype: torch.dtype) -> torch.dtype:
+        if self.shadow_dtype is not None:
+            return self.shadow_dtype
+        return torch.float32 if dtype in _LOW_PRECISION else dtype
+
+    def _check_model(self, model: nn.Module | None) -> None:
+        if model is not None and model is not self._model and unwrap(model) is not self._model:
+            raise ValueError(
+                "this EMA was built for another model object; create a new EMA for this model "
+                "(or pass the same module, wrapped in DDP, DataParallel or torch.compile)"
+            )
+
+    @staticmethod
+    def _checked_lives(group: _Group) -> list[torch.Tensor]:
+        lives = group.live.resolve()
+        if lives[0].device != group.live_device or lives[0].dtype != group.live_dtype:
+            raise RuntimeError(
+                f"the model moved from {group.live_device}/{group.live_dtype} to "
+                f"{lives[0].device}/{lives[0].dtype} after the EMA was created: create the EMA after "
+                "model.to(...), or pass device='cpu' to keep the shadow on the CPU"
+            )
+        return lives
+
+    def _live_groups(self, model: nn.Module | None) -> list[tuple[_Group, list[torch.Tensor]]]:
+        self._check_model(model)
+        return [(group, self._checked_lives(group)) for group in self._groups]
+
+    # -- the update -----------------------------------------------------------------------------------
+
+    def decay_at(self, k: int) -> float:
+        """The decay used for averaging update number ``k`` (0-based), warm-up included."""
+        if not self.warmup:
+            return self.decay
+        return min(self.decay, 1.0 - (1.0 + k) ** -self.warmup_power)
+
+    @property
+    def initial_share(self) -> float:
+        """The share of the average that is still the weights it started from (at construction, or at its last
+        copy before ``start_step``): the product of the decays applied so far. With the warm-up, the first update's
+        decay is 0, so this is 0 from then on; without it, ``decay ** num_updates`` (0.999 over 300 updates: 0.74).
+        Computed from the counters on the host: no tensor is read."""
+        if self.num_updates == 0:
+            return 1.0
+        return 0.0 if self.warmup else self.decay**self.num_updates  # the ramp's decay_at(0) is 0
+
+    def _check_share(self, stacklevel: int) -> None:
+        """Warn, once, when the average is first used while it is still mostly the weights it started from;
+        ``stacklevel`` points the warning at the caller of the public method."""
+        if self._share_checked:
+            return
+        self._share_checked = True
+        share = self.initial_share
+        if share > 0.5:
+            warnings.warn(
+                f"EMA: the average is still {share:.0%} the weights it started from after {self.num_updates} updates "
+                f"(decay {self.decay}, warmup={self.warmup}): keep the default warmup=True, lower the decay, or use "
+                "the average later",
+                RuntimeWarning,
+                stacklevel=stacklevel + 1,
+            )
+
+    def update(self, model: nn.Module | None = None) -> None:
+        """One step: average the model into the shadow (or copy it, before ``start_step``).
+
+        In place, under ``no_grad``, no allocation, no host synchronisation (shadow beside the model).
+        ``model`` defaults to the one given at construction (passing it wrapped in DDP or
+        ``torch.compile`` is fine). Inside ``average_weights`` it raises.
+        """
+        if self._swap is not None:
+            raise RuntimeError(
+                "EMA.update inside EMA.average_weights: the model holds the average and the shadow the live weights "
+                "there, so this would average the wrong way and the live weights would not come back; update after "
+                "the block ends"
+            )
+        self._check_model(model)
+        step, self.step = self.step, self.step + 1
+        copy = step < self.start_step
+        if not copy and (step - self.start_step) % self.update_every:
+            return
+        weight = 1.0 - self.decay_at(self.num_updates)
+        grad_was_enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # a `with torch.no_grad()` block costs more than a small model's update
+        try:
+            for group in self._groups:
+                lives = self._checked_lives(group)
+                if group.staging:
+                    foreach_copy_(group.staging, lives)
+                    lives = group.staging
+                if group.average and not copy:
+                    foreach_lerp_(group.shadows, lives, weight)
+                else:
+                    foreach_copy_(group.shadows, lives)
+        finally:
+            torch._C._set_grad_enabled(grad_was_enabled)
+        if not copy:
+            self.num_updates += 1
+
+    # -- using the average ----------------------------------------------------------------------------
+
+    @property
+    def shadow(self) -> dict[str, torch.Tensor]:
+        """The average by ``state_dict`` name: the shadow's own tensors, which hold it at all times (inside
+        ``average_weights`` too, where the model holds a copy of it)."""
+        return self._shadow
+
+    @property
+    def swapped(self) -> bool:
+        """Whether an ``average_weights`` block holds the average in the model now."""
+        return self._swap is not None
+
+    def copy_to(self, model: nn.Module | None = None) -> None:
+        """Overwrite a model's weights (and averaged buffers) with the shadow, in place.
+
+        ``model`` defaults to the averaged model; another model with the same state_dict names and shapes
+        (a fresh instance for export, say) is written through its ``state_dict(keep_vars=True)`` tensors.
+        Inside ``average_weights``, copying into the averaged model raises; into another model works.
+        """
+        self._check_share(stacklevel=2)
+        if model is None or unwrap(model) is self._model:
+            if self._swap is not None:
+                raise RuntimeError(
+                    "EMA.copy_to(model) inside EMA.average_weights: the model holds the average already and gets its "
+                    "live weights back when the block ends; call copy_to after the block to keep the average"
+                )
+            reshard(self._model)
+            with torch.no_grad():
+                for group, lives in self._live_groups(model):
+                    foreach_copy_(lives, group.shadows)
+            return
+        reshard(model)
+        targets = unwrap(model).state_dict(keep_vars=True)
+        for name, shadow in self.shadow.items():
+            if name not in targets or targets[name].shape != shadow.shape:
+                found = tuple(targets[name].shape) if name in targets else "nothing"
+                raise ValueError(f"cannot copy the EMA into this model: {name!r} {tuple(shadow.shape)} vs {found}")
+            if layout(targets[name]) != layout(shadow):
+                raise ValueError(
+                    f"cannot copy the EMA into this model: {name!r} is {layout(shadow)} in the EMA, "
+                    f"{layout(targets[name])} in the model (for an unsharded model, load full_state_dict())"
+                )
+        with torch.no_grad():
+            for name, shadow in self.shadow.items():
+                local(targets[name]).copy_(local(shadow))
+
+    def export(self) -> nn.Module:
+        """A new module holding the average, in eval mode, for inference or ``torch.save(exported.state_dict(), ...)``:
+        a deep copy of the (unwrapped) model, the average copied into it (``.train()`` it to train it further). The
+        model and the shadow are only read."""
+        if self.sharded:
+            raise RuntimeError(
+                "EMA.export deep-copies the model, which FSDP2 forbids for a sharded one: load "
+                "ema.full_state_dict() (gathered once) into an unsharded instance of the model instead"
+            )
+        self._check_share(stacklevel=2)
+        exported = deepcopy(self._model)
+        self.copy_to(exported)
+        return exported.eval()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The average as new, full, plain CPU tensors by ``state_dict`` name: an unsharded model's ``state_dict``.
+
+        A sharded average is gathered here, tensor by tensor (``DTensor.full_tensor()``: a collective, so every rank
+        calls it), so a device holds one full tensor at a time beyond its shards. Tied weights stay one tensor.
+        """
+        out: dict[str, torch.Tensor] = {}
+        made: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for name, tensor in self.shadow.items():
+                if id(tensor) not in made:
+                    made[id(tensor)] = tensor.full_tensor().cpu() if is_sharded(tensor) else tensor.to("cpu", copy=True)
+                out[name] = made[id(tensor)]
+        return out
+
+    @contextmanager
+    def average_weights(self, model: nn.Module | None = None) -> Iterator[nn.Module]:
+        """Run the block with the average in the model; on exit the live values come back bit for bit, and nothing
+        written into the model inside the block reaches the average.
+
+        The live values are kept in one backup per group for the block (one copy of the model's weights, freed on
+        exit) and the average is copied into the model; the shadow is only read. On exit (an exception or
+        ``KeyboardInterrupt`` too) the backup is copied back. So a forward in training mode inside the block (BatchNorm
+        statistics) writes into the model's copy of the average, which is discarded: the shadow and the live
+        statistics are as before. A write into a parameter (an optimizer step) is undone the same way, and, because
+        a training step silently lost is a bug, the block then raises ``RuntimeError`` naming the parameters: the
+        model's version counters tell, at no cost. Nested in another ``average_weights`` of this EMA, the block
+        changes nothing: the model holds the average.
+        """
+        target = self._model if model is None else model
+        if self._swap is not None:
+            self._check_model(model)
+            yield target  # type: ignore[misc]
+            return
+        self._check_share(stacklevel=3)  # through contextlib's __enter__
+        swap = self._swap_in(model)
+        self._swap = swap
+        try:
+            yield target  # type: ignore[misc]
+        finally:
+            written = self._swap_out(swap)
+            self._swap = None
+        if written:
+            more = f" and {len(written) - 3} more" if len(written) > 3 else ""
+            raise RuntimeError(
+                f"EMA.average_weights: {len(written)} parameter(s) of the model were written inside the block "
+                f"({', '.join(map(repr, written[:3]))}{more}; an optimizer step?): undone, the live weights are back "
+                "as they were before the block and the average is unchanged; step optimizers and write parameters "
+                "outside the block"
+            )
+
+    def _swap_in(self, model: nn.Module | None) -> _Swap:
+        reshard(self._model)
+        with torch.no_grad():
+            pairs = self._live_groups(model)
+            backups = []
+            for group, lives in pairs:
+                _, views = flat_views(lives)
+                foreach_copy_(views, lives)
+                foreach_copy_(lives, group.shadows)
+                backups.append(views)
+        return _Swap(pairs, backups, _versions(pairs))
+
+    def _swap_out(self, swap: _Swap) -> list[str]:
+        """Put the live values back; the names of the parameters written since the swap (or the last load)."""
+        written = [
+            name
+            for (group, lives), versions in zip(swap.pairs, swap.versions, strict=True)
+            for name, is_parameter, live, version in zip(group.names, group.parameters, lives, versions, strict=True)
+            if is_parameter and _version(live) != version
+        ]
+        reshard(self._model)
+        with torch.no_grad():
+            for (_, lives), backup in zip(swap.pairs, swap.backups, strict=True):
+                foreach_copy_(lives, backup)
+        return written
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+
+    def layout(self) -> dict[str, str]:
+        """How each sharded tensor of the shadow is spread over the ranks (empty for an unsharded model)."""
+        return {name: layout(t) for name, t in self._shadow.items() if is_sharded(t)}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters and the average (``shadow``'s tensors, aliased like ``Module.state_dict``: save it before the
+        next update, or inside the ``average_weights`` block it was taken in); loads with ``weights_only=True``.
+        Sharded: the tensors are ``DTensor``s, and ``layout`` says how each is spread."""
+        state = {"decay": self.decay, "step": self.step, "num_updates": self.num_updates, "shadow": dict(self.shadow)}
+        if self.sharded:
+            state["layout"] = self.layout()
+        return state
+
+    def check_state(self, state: Mapping[str, Any]) -> None:
+        """Raise ``ValueError``, naming the tensor and both sides, unless ``state`` fits this EMA: the same names,
+        spread over the ranks as the model is (``layout``), and the same (full) shapes."""
+        saved = state.get("shadow")
+        if not isinstance(saved, Mapping):
+            raise ValueError("EMA state must hold a 'shadow' mapping of tensor names to tensors")
+        missing = sorted(set(self.shadow) - set(saved))
+        unexpected = sorted(set(saved) - set(self.shadow))
+        if missing or unexpected:
+            raise ValueError(f"EMA state does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        theirs, ours = state.get("layout") or {}, self.layout()
+        for name, tensor in saved.items():
+            recorded, mine = theirs.get(name, layout(tensor)), ours.get(name, "not sharded")
+            for spread in (recorded, layout(tensor) if is_sharded(tensor) else recorded):
+                if spread != mine:
+                    raise ValueError(
+                        f"EMA state for {name!r} is {spread}, the model's is {mine}: a sharded average is restored "
+                        "only as it was saved (same world size and placements), never resharded"
+                    )
+            if tuple(tensor.shape) != tuple(self.shadow[name].shape):
+                raise ValueError(
+                    f"EMA state for {name!r} has shape {tuple(tensor.shape)}, the model's is "
+                    f"{tuple(self.shadow[name].shape)}"
+                )
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Copy a saved average and counters in place (into ``shadow``'s tensors), after ``check_state``. A sharded
+        EMA takes ``DTensor``s or full tensors, of which each rank copies its own part (nothing is sent). Inside
+        ``average_weights`` the model gets the loaded average too, for the rest of the block."""
+        self.check_state(state)
+        with torch.no_grad():
+            for name, tensor in state["shadow"].items():
+                target = self.shadow[name]
+                if is_sharded(target) and not is_sharded(tensor):
+                    tensor = local_part(tensor, target)
+                local(target).copy_(local(tensor))
+            if self._swap is not None:  # the block goes on with the loaded average in the model
+                reshard(self._model)  # its next forward must gather what is loaded
+                for group, lives in self._swap.pairs:
+                    foreach_copy_(lives, group.shadows)
+                self._swap.versions = _versions(self._swap.pairs)
+        self.step = int(state.get("step", 0))
+        self.num_updates = int(state.get("num_updates", 0))
+
+    def __repr__(self) -> str:
+        tensors = len({id(t) for t in self.shadow.values()})
+        return (
+            f"EMA(decay={self.decay}, warmup={self.warmup}, tensors={tensors}, groups={len(self._groups)}, "
+            f"step={self.step}, num_updates={self.num_updates})"
+        )
+
+
+def _versions(pairs: list[tuple[_Group, list[torch.Tensor]]]) -> list[list[int]]:
+    return [[_version(t) for t in lives] for _, lives in pairs]
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference tensor has no version counter (and cannot be written outside inference mode)
+        return None

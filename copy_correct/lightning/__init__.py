@@ -1,0 +1,37 @@
+"""The Lightning adapters: the tensor parts as callbacks and plugins, and the probes' Lightning halves. The only
+modules of the package that import Lightning.
+
+Adapters:
+    EMACallback          an EMA of the module, updated per optimizer step, evaluated, checkpointed
+    ResumeState          every rank's RNG states, recipe and seed in checkpoints; exact resume
+    check_checkpoint     raises ``ValueError`` unless a checkpoint was stamped with this recipe and seed
+    RunSummary           writes ``summary.json`` (final metrics, recipe, seed)
+    DataWaitMonitor      samples per second and the share of time spent waiting for batches
+    AtomicCheckpointIO   checkpoints streamed to a file beside the target and renamed over it
+    AtomicModelParallelStrategy  Lightning's FSDP2 strategy, its checkpoint directories written beside and swapped in
+
+Probes:
+    StepProbe            audits one training batch's copies, measures memory growth per batch
+    GraphRetentionCallback  ``GraphRetentionGuard`` after every training batch, on the step's outputs and the module
+"""
+
+from copy_correct.lightning.atomic_checkpoint import AtomicCheckpointIO
+from copy_correct.lightning.atomic_sharded_checkpoint import AtomicModelParallelStrategy
+from copy_correct.lightning.data_wait import DataWaitMonitor
+from copy_correct.lightning.ema_callback import EMACallback
+from copy_correct.lightning.graph_guard import GraphRetentionCallback
+from copy_correct.lightning.resume import ResumeState, check_checkpoint
+from copy_correct.lightning.run_summary import RunSummary
+from copy_correct.lightning.step_probe import StepProbe
+
+__all__ = [
+    "AtomicCheckpointIO",
+    "AtomicModelParallelStrategy",
+    "DataWaitMonitor",
+    "EMACallback",
+    "GraphRetentionCallback",
+    "ResumeState",
+    "RunSummary",
+    "StepProbe",
+    "check_checkpoint",
+]

@@ -1,0 +1,143 @@
+"""``AtomicModelParallelStrategy``: Lightning's ``ModelParallelStrategy`` (FSDP2) whose checkpoints, a directory of
+shards or one file, are written whole beside their target and then put in its place in one step, so a kill at any
+moment leaves either the previous checkpoint or the new one under the target's name, never parts of both.
+
+Copy contract:
+
+* Every rank writes its shards straight into ``.NAME.tmp-PID`` beside the target (rank 0's PID, broadcast so every
+  rank writes into one directory), by Lightning's own save: ``torch.distributed.checkpoint`` streams each shard from
+  its storage to a file and ``fsync``-s it, then writes ``.metadata``; rank 0 writes ``meta.pt`` last. Nothing is
+  held in memory beyond what that save holds. Rank 0 then ``fsync``-s ``meta.pt`` and the directory.
+* Rank 0 puts it in place: ``renameat2(RENAME_EXCHANGE)`` swaps it with the previous checkpoint (a directory, a file
+  or a link), one rename, atomic within a filesystem, which the hidden directory shares with its target by
+  construction. The previous checkpoint, now under the hidden name, is then removed, and the parent directory
+  ``fsync``-ed. A target that does not exist yet is a plain rename. Every rank waits for that (a barrier) before
+  going on.
+* A one-file checkpoint (``save_distributed_checkpoint=False``) over a file is the trainer's ``CheckpointIO``
+  plugin's write (``AtomicCheckpointIO`` in ``train.py``: already a rename). Over a directory, it is written to the
+  hidden name and swapped in as above.
+* Lightning's own ``ModelParallelStrategy`` writes into the existing directory: each rank its new shards over its
+  old ones, then ``.metadata``, then ``meta.pt``. A kill once the shards are written, or just before ``meta.pt``,
+  leaves new weights under the old ``meta.pt`` (loop counters, EMA counters, random states of the previous save): a
+  checkpoint of no step, which loads without an error. A kill while the ranks write leaves some ranks' new shards
+  beside others' old ones. A switch from a directory to one file removes the directory before writing.
+* Where the filesystem cannot exchange two names (not Linux, or a filesystem that refuses ``RENAME_EXCHANGE``:
+  ``EINVAL``, ``ENOSYS``), the previous checkpoint is renamed aside to ``.NAME.old-PID`` and the new one renamed in:
+  a kill between those two renames leaves no checkpoint under the name and the previous one whole under
+  ``.NAME.old-PID`` (with a warning).
+* An exception while writing removes the hidden directory and leaves the target as it was. A SIGKILL leaves the
+  target as it was and the hidden directory behind, which nothing reads: remove ``.NAME.tmp-*`` by hand.
+* A directory at the target that is not a distributed checkpoint (no ``meta.pt``) is refused
+  (``IsADirectoryError``), never replaced.
+* Paths that are not local files go through Lightning's own implementation (which refuses ``storage_options``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+from fsspec.implementations.local import LocalFileSystem
+from lightning.fabric.utilities.cloud_io import get_filesystem
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities import rank_zero_warn
+
+from copy_correct.lightning.atomic_checkpoint import fsync_directory
+from copy_correct.lightning.resume import DISTRIBUTED_METADATA
+
+__all__ = ["AtomicModelParallelStrategy"]
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+_CANNOT_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP}
+
+
+class AtomicModelParallelStrategy(ModelParallelStrategy):
+    """``ModelParallelStrategy`` whose local checkpoints are written beside their target and swapped in whole."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        target = Path(self.broadcast(str(filepath)))
+        staged = self._save_distributed_checkpoint or target.is_dir()
+        if storage_options is not None or not staged or not isinstance(get_filesystem(filepath), LocalFileSystem):
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        if target.is_dir() and not (target / DISTRIBUTED_METADATA).is_file():
+            raise IsADirectoryError(
+                f"the checkpoint path {target} is a directory that is not a checkpoint: not replaced"
+            )
+        hidden = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+        if self.global_rank == 0:
+            _remove(hidden)  # a leftover of a killed writer whose PID this process now has
+        hidden = Path(self.broadcast(str(hidden)))
+        try:
+            super().save_checkpoint(checkpoint, hidden)
+            if self.global_rank == 0:
+                _sync(hidden)
+                put_in_place(hidden, target)
+        except BaseException:
+            if self.global_rank == 0:
+                _remove(hidden)
+            raise
+        self.barrier("AtomicModelParallelStrategy.save_checkpoint")
+
+
+def put_in_place(new: Path, target: Path) -> None:
+    """Put ``new`` (a file or a directory) at ``target`` in one rename, removing what ``target`` held; ``new`` must be
+    on the same filesystem (beside it). See the module docstring for filesystems that cannot exchange names."""
+    if not os.path.lexists(target):
+        os.rename(new, target)
+    else:
+        try:
+            _exchange(new, target)
+        except OSError as error:
+            if error.errno not in _CANNOT_EXCHANGE:
+                raise
+            _two_renames(new, target)
+        else:
+            _remove(new)  # the previous checkpoint, now under the hidden name
+    fsync_directory(target.parent)
+
+
+def _exchange(a: Path, b: Path) -> None:
+    """Swap the names ``a`` and ``b`` in one step (Linux ``renameat2(RENAME_EXCHANGE)``)."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None) if sys.platform == "linux" else None
+    if renameat2 is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not available", str(a))
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), str(a), None, str(b))
+
+
+def _two_renames(new: Path, target: Path) -> None:
+    rank_zero_warn(
+        f"the filesystem of {target.parent} cannot exchange two names in one step: the previous checkpoint is "
+        "renamed aside, then the new one renamed in; a kill between the two leaves the previous one under "
+        f".{target.name}.old-PID"
+    )
+    aside = target.with_name(f".{target.name}.old-{os.getpid()}")
+    _remove(aside)
+    os.rename(target, aside)
+    os.rename(new, target)
+    _remove(aside)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        path.unlink()
+
+
+def _sync(path: Path) -> None:
+    """``fsync`` what the save left unsynced: ``meta.pt`` (``torch.distributed.checkpoint`` syncs its own files) and
+    the directory; a file (a one-file checkpoint) is synced by ``AtomicCheckpointIO``."""
+    if path.is_dir():
+        with open(path / DISTRIBUTED_METADATA, "rb+") as file:
+            os.fsync(file.fileno())
+        fsync_directory(path)

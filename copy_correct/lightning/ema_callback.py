@@ -1,0 +1,431 @@
+"""``EMACallback``: keep an ``EMA`` of a LightningModule during ``fit``, evaluate with it, checkpoint it.
+
+Copy contract: the shadow is the ``EMA``'s own tensors (see ``copy_correct.ema``), never a deep copy of the
+LightningModule and never in its ``parameters()``; evaluation copies the average into the module and the live values
+back, bit for bit, through one backup of the live values held for the pass; nothing the pass writes into the module
+reaches the average.
+
+* Updates after every optimizer step (so once per ``accumulate_grad_batches`` batches), from
+  ``start_step`` on, every ``update_every`` steps. The step is read once training starts, after Lightning restored a
+  resumed run's counters, so a resumed run makes exactly the updates the uninterrupted one makes, with any
+  accumulation (``tests/lightning/test_ema_callback.py`` resumes at every step).
+* ``evaluate="both"`` (default): each validation (and test) epoch runs twice, first with the EMA weights,
+  logging every metric the module logs under its name plus ``suffix`` (``val/acc`` -> ``val/acc_ema``),
+  then with the live weights as usual. The EMA pass runs without the other callbacks, so checkpointing,
+  early stopping and the progress bar act once, on the live pass, and see both sets of metrics.
+  ``"ema"``: evaluate with the EMA weights only, under the module's own names. ``"live"``: no EMA evaluation.
+* ``checkpoint_weights="ema"`` (default): a checkpoint's weights (``state_dict``) are the average, so
+  ``MyModule.load_from_checkpoint(path)`` returns the averaged model, as Lightning's ``EMAWeightAveraging`` does; the
+  live weights go into the callback state (``live``) and ``trainer.fit(ckpt_path=...)`` with this callback copies them
+  back into the module after Lightning loaded the average, so resuming stays bit-exact. Where the shadow's dtype is
+  the weights', ``state_dict`` and the EMA state hold the same tensors, which ``torch.save`` stores once. A
+  weights-only save holds the average (the module holds it while Lightning saves). ``"live"``: ``state_dict`` holds the
+  live weights and the average is only in the EMA state. Resumed without this callback, a checkpoint of ``"ema"``
+  trains on from the average (Lightning warns that the checkpoint's callback is missing).
+* Checkpoints hold the EMA state (callback state, tensors and numbers only: loads with
+  ``weights_only=True``); resuming restores it, so a resumed run continues the same average.
+* Whenever a checkpoint is saved, it holds the same thing: a save during an EMA pass (``ModelCheckpoint`` on
+  validation end, a mid-epoch validation, a callback or module hook calling ``trainer.save_checkpoint``, weights-only
+  ones included) steps out of the pass: the live weights are copied back for the save and the average in after it,
+  with every callback present even while the ``"both"`` pass silences them. An exception in a pass, or
+  ``KeyboardInterrupt``, restores the live weights before Lightning's ``on_exception`` hooks
+  (``OnExceptionCheckpoint``) run. To keep the EMA weights as a model, use ``callback.ema.export()``.
+* ``ema_weights_at_end=True`` writes the EMA weights into the module when ``fit`` ends.
+* Under DDP every rank keeps its own EMA. Parameters are identical across ranks after each step, but
+  BatchNorm statistics are not (each rank's forward updates its own; DDP copies rank 0's only at the next
+  forward), so before each update the callback broadcasts rank 0's floating buffers, as DDP would: the
+  shadows are then identical on every rank.
+* Sharded (FSDP2, Lightning's ``ModelParallelStrategy``): each rank keeps the shadow of its own shards (see
+  ``copy_correct.ema``), updated with no collective. FSDP2 shards parameters only: buffers stay whole on every rank
+  and nothing ever synchronises them, so the broadcast above runs here too (the live buffers then agree on every
+  rank, which is also what a distributed checkpoint keeps: one copy of a tensor that is not sharded). Checkpoints
+  hold the average in the form Lightning gives the weights: with a distributed checkpoint (a directory, the
+  default), the shadow's shards are written into it beside the weights' (each rank writes its own; the callback
+  state keeps the counters, the layout and each tensor's key there; with ``checkpoint_weights="ema"`` the weights'
+  entries are the average and the live shards get keys of their own) and read back from it on resume; with
+  ``save_distributed_checkpoint=False`` (one file of full weights), the average is gathered into full tensors for
+  it, and each rank takes its own part back on resume. Either way a checkpoint spread otherwise than the model
+  (another world size or placement) is refused, naming both (``CheckpointMismatch``, a ``ValueError``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+
+from copy_correct._flat import flat_views
+from copy_correct._foreach_writes import foreach_copy_
+from copy_correct._module_tensors import TensorRefs, state_entries
+from copy_correct._sharding import is_sharded, local, local_part, reshard
+from copy_correct.ema import EMA
+from copy_correct.errors import CheckpointMismatch
+
+__all__ = ["EMACallback"]
+
+_EVALUATE = ("both", "ema", "live")
+_CHECKPOINT_WEIGHTS = ("ema", "live")
+
+
+class EMACallback(pl.Callback):
+    """Args: those of ``EMA`` (``decay`` … ``device``), plus ``evaluate``, ``suffix``, ``checkpoint_weights`` and
+    ``ema_weights_at_end``."""
+
+    def __init__(
+        self,
+        decay: float = 0.999,
+        *,
+        warmup: bool = True,
+        warmup_power: float = 2 / 3,
+        update_every: int = 1,
+        start_step: int = 0,
+        include_buffers: bool = True,
+        shadow_dtype: torch.dtype | None = None,
+        device: str | None = None,
+        evaluate: str = "both",
+        suffix: str = "_ema",
+        checkpoint_weights: str = "ema",
+        ema_weights_at_end: bool = False,
+    ) -> None:
+        if evaluate not in _EVALUATE:
+            raise ValueError(f"evaluate must be one of {_EVALUATE}, got {evaluate!r}")
+        if checkpoint_weights not in _CHECKPOINT_WEIGHTS:
+            raise ValueError(f"checkpoint_weights must be one of {_CHECKPOINT_WEIGHTS}, got {checkpoint_weights!r}")
+        if not suffix:
+            raise ValueError("suffix must be a non-empty string")
+        self._ema_kwargs: dict[str, Any] = {
+            "decay": decay,
+            "warmup": warmup,
+            "warmup_power": warmup_power,
+            "update_every": update_every,
+            "start_step": start_step,
+            "include_buffers": include_buffers,
+            "shadow_dtype": shadow_dtype,
+            "device": device,
+        }
+        EMA(torch.nn.Linear(1, 1), **self._ema_kwargs)  # fail now, not at the first step, on bad arguments
+        self.evaluate = evaluate
+        self.suffix = suffix
+        self.checkpoint_weights = checkpoint_weights
+        self.ema_weights_at_end = ema_weights_at_end
+        self.ema: EMA | None = None
+        self._pending: dict[str, Any] | None = None
+        self._last_step = 0
+        self._wrapped: list[tuple[Any, str]] = []  # (object, attribute) that setup shadowed with a wrapper
+        self._pass: _EMAPass | None = None  # the EMA evaluation in progress
+        self._trainer: pl.Trainer | None = None
+        self._broadcast: list[tuple[TensorRefs, torch.Tensor, list[torch.Tensor]]] | None = None
+
+    @property
+    def state_key(self) -> str:
+        return self._generate_state_key(decay=self._ema_kwargs["decay"])
+
+    def _ensure_ema(self, pl_module: pl.LightningModule) -> EMA:
+        if self.ema is None:
+            self.ema = EMA(pl_module, **self._ema_kwargs)
+            if self._pending is not None:
+                self._load(self.ema, self._pending)
+                self._pending = None
+        return self.ema
+
+    # -- wiring the evaluation passes -------------------------------------------------------------------
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._trainer = trainer
+        self._wrap(trainer, "save_checkpoint", self._save_outside_the_pass)
+        if self.evaluate == "live":
+            return
+        for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop):
+            self._wrap(loop, "run", lambda run: self._evaluate_with_ema(trainer, pl_module, run))
+
+    def _wrap(self, owner: Any, name: str, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        if name not in vars(owner):  # not wrapped yet
+            setattr(owner, name, wrapper(getattr(owner, name)))
+            self._wrapped.append((owner, name))
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for owner, name in self._wrapped:
+            delattr(owner, name)  # back to the class's method
+        self._wrapped.clear()
+
+    def _evaluate_with_ema(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, run: Callable[[], Any]
+    ) -> Callable[[], Any]:
+        def run_with_ema() -> Any:
+            if trainer.sanity_checking:
+                return run()
+            ema = self._ensure_ema(pl_module)
+            both = self.evaluate == "both"
+            self._pass = _EMAPass(trainer, pl_module, ema, self.suffix if both else None)
+            try:
+                with self._pass:
+                    result = run()
+            finally:
+                self._pass = None
+            return run() if both else result
+
+        return run_with_ema
+
+    def _save_outside_the_pass(self, save: Callable[..., None]) -> Callable[..., None]:
+        """``trainer.save_checkpoint``, which during an EMA pass saves with the live weights in the module; a
+        weights-only save with ``checkpoint_weights="ema"`` saves with the average in it (Lightning calls no callback
+        hook for those, and they are for inference)."""
+
+        def save_checkpoint(filepath: Any, weights_only: bool | None = None, *args: Any, **kwargs: Any) -> None:
+            with ExitStack() as stack:
+                if self._pass is not None:
+                    stack.enter_context(self._pass.stepped_out())
+                if weights_only and self.checkpoint_weights == "ema" and self.ema is not None:
+                    stack.enter_context(self.ema.average_weights())
+                return save(filepath, weights_only, *args, **kwargs)
+
+        return save_checkpoint
+
+    # -- training ---------------------------------------------------------------------------------------
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._ensure_ema(pl_module)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # Not in on_fit_start: Lightning restores the loop counters of a resumed run between the two, and a
+        # global_step read before that (0) made the first micro-batch after a resume count as an optimizer step.
+        self._last_step = trainer.global_step
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_step > self._last_step:  # an optimizer step happened in this batch
+            self._last_step = trainer.global_step
+            ema = self._ensure_ema(pl_module)
+            if ema.include_buffers:
+                self._buffers_from_rank_zero(trainer, pl_module)
+            ema.update(pl_module)
+
+    def _buffers_from_rank_zero(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Under DDP each rank's forward updates its own BatchNorm statistics; DDP copies rank 0's to all
+        ranks only at the next forward. Doing that now gives every rank the same buffers to average, so
+        the shadows stay identical: one broadcast per dtype through a flat tensor, all built once."""
+        if trainer.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
+            return
+        if self._broadcast is None:
+            self._broadcast = _flat_buffers(pl_module)
+        with torch.no_grad():
+            for refs, flat, views in self._broadcast:
+                buffers = refs.resolve()
+                foreach_copy_(views, buffers)
+                dist.broadcast(flat, src=0)
+                foreach_copy_(buffers, views)
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.ema_weights_at_end and self.ema is not None:
+            self.ema.copy_to(pl_module)
+
+    # -- checkpoints ------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.ema is None:
+            return {} if self._pending is None else {"ema": self._pending}
+        return {"ema": self.ema.state_dict()}
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """With ``checkpoint_weights="ema"``, the checkpoint's weights become the average and the live weights go
+        into the callback state (``live``). A sharded average goes where Lightning puts the sharded weights: its shards
+        into the distributed checkpoint, each under a key the callback state names; or, for one file of full weights,
+        gathered."""
+        ours = checkpoint.get("callbacks", {}).get(self.state_key, {})
+        state = ours.get("ema")
+        if self.ema is None or state is None:
+            return
+        weights = checkpoint["state_dict"]
+        distributed = any(is_sharded(t) for t in weights.values())  # else one file, or no sharding at all
+        if self.ema.sharded and not distributed:  # one file, written by rank 0 (the others' weights are empty here)
+            state["shadow"] = self.ema.full_state_dict()  # every rank joins the gathers
+        if self.checkpoint_weights == "ema" and weights:
+            ours["live"] = _average_into_weights(weights, state["shadow"])
+        if distributed:  # every rank writes its shards
+            state["shadow"] = _stored_under_keys(weights, state["shadow"], f"{self.state_key}/ema/shadow")
+            if "live" in ours:
+                ours["live"] = _stored_under_keys(weights, ours["live"], f"{self.state_key}/live")
+
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """A checkpoint whose weights are the average (``checkpoint_weights="ema"``) holds the live weights in the
+        callback state: Lightning has loaded the average into the module by now, so they are copied back in, in
+        place, and training resumes from the live weights."""
+        live = checkpoint.get("callbacks", {}).get(self.state_key, {}).get("live")
+        if live is None:
+            return
+        try:
+            if live and all(isinstance(key, str) for key in live.values()):
+                weights = pl_module.state_dict(keep_vars=True)
+                missing = sorted(set(live) - set(weights))
+                if missing:
+                    raise ValueError(
+                        f"the checkpoint's live weights name tensors the model does not have: {missing[:5]}"
+                    )
+                live = self._read_from_distributed_checkpoint(
+                    {name: torch.empty_like(weights[name]) for name in live}, live
+                )
+            _copy_into_module(pl_module, live)
+        except ValueError as err:
+            raise CheckpointMismatch(str(err)) from err
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "ema" not in state_dict:
+            return
+        if self.ema is None:
+            self._pending = state_dict["ema"]
+        else:
+            self._load(self.ema, state_dict["ema"])
+
+    def _load(self, ema: EMA, state: Mapping[str, Any]) -> None:
+        try:
+            shadow = state.get("shadow")
+            if isinstance(shadow, Mapping) and shadow and all(isinstance(key, str) for key in shadow.values()):
+                state = self._read_distributed_checkpoint(ema, state)
+            ema.load_state_dict(state)
+        except ValueError as err:
+            raise CheckpointMismatch(str(err)) from err
+
+    def _read_distributed_checkpoint(self, ema: EMA, state: Mapping[str, Any]) -> dict[str, Any]:
+        """The state with its shadow read from the distributed checkpoint being restored (every rank its shards),
+        after checking that it is spread as the model is: ``torch.distributed.checkpoint`` would reshard silently."""
+        keys: Mapping[str, str] = state["shadow"]
+        holders = {name: torch.empty_like(ema.shadow[name]) if name in ema.shadow else None for name in keys}
+        read = {**state, "shadow": holders}
+        ema.check_state(read)
+        self._read_from_distributed_checkpoint(holders, keys)
+        return read
+
+    def _read_from_distributed_checkpoint(
+        self, holders: dict[str, torch.Tensor], keys: Mapping[str, str]
+    ) -> dict[str, torch.Tensor]:
+        """``holders`` (spread as the tensors to restore), filled in place from the keys of the distributed checkpoint
+        being restored (every rank reads its shards)."""
+        from torch.distributed.checkpoint import load
+
+        path = self._trainer.ckpt_path if self._trainer is not None else None
+        if path is None:
+            raise ValueError("the EMA state names tensors in a distributed checkpoint, but no checkpoint is being read")
+        load({"state_dict": {keys[name]: holder for name, holder in holders.items()}}, checkpoint_id=path)
+        return holders
+
+
+def _average_into_weights(
+    weights: dict[str, torch.Tensor], average: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Put the average into a checkpoint's weights (the shadow's own tensors where the dtypes agree: ``torch.save``
+    then stores them once for both entries; a cast copy otherwise); return the live entries they replaced."""
+    live = {}
+    for name, tensor in average.items():
+        if name in weights:
+            live[name] = weights[name]
+            weights[name] = tensor if tensor.dtype == live[name].dtype else tensor.to(live[name].dtype)
+    return live
+
+
+def _stored_under_keys(
+    weights: dict[str, torch.Tensor], tensors: Mapping[str, torch.Tensor], prefix: str
+) -> dict[str, str]:
+    """Put tensors into a distributed checkpoint's weights, each under a key of its own unless the weights already
+    hold that very tensor under its name; return each name's key."""
+    keys = {}
+    for name, tensor in tensors.items():
+        keys[name] = name if weights.get(name) is tensor else f"{prefix}/{name}"
+        weights[keys[name]] = tensor
+    return keys
+
+
+def _copy_into_module(module: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> None:
+    """Copy tensors into a module's parameters and buffers by ``state_dict`` name, in place (a sharded module takes
+    ``DTensor``s or full tensors, of which each rank copies its own part), then drop FSDP2's gathered copies."""
+    targets = module.state_dict(keep_vars=True)
+    for name, value in values.items():
+        if name not in targets or tuple(targets[name].shape) != tuple(value.shape):
+            found = tuple(targets[name].shape) if name in targets else "nothing"
+            raise ValueError(
+                f"the checkpoint's live weights do not fit the model: {name!r} {tuple(value.shape)} vs {found}"
+            )
+    with torch.no_grad():
+        for name, value in values.items():
+            target = targets[name]
+            if is_sharded(target) and not is_sharded(value):
+                value = local_part(value, target)
+            local(target).copy_(local(value))
+    reshard(module)
+
+
+def _flat_buffers(module: torch.nn.Module) -> list[tuple[TensorRefs, torch.Tensor, list[torch.Tensor]]]:
+    """Per (dtype, device): the floating buffers' refs, one flat tensor, and views of it shaped like them."""
+    groups: dict[tuple, list[tuple[torch.Tensor, tuple]]] = {}
+    for _, tensor, owner in state_entries(module):
+        if owner is not None and tensor.is_floating_point():
+            groups.setdefault((tensor.dtype, tensor.device), []).append((tensor, owner))
+    out = []
+    for members in groups.values():
+        refs = TensorRefs()
+        for tensor, owner in members:
+            refs.append(tensor, owner)
+        out.append((refs, *flat_views([t for t, _ in members])))
+    return out
+
+
+class _EMAPass:
+    """One evaluation run with the EMA weights in the module (``suffix``: also logging under suffixed names, with
+    no callback hooks), which a checkpoint save steps out of and back into."""
+
+    def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ema: EMA, suffix: str | None) -> None:
+        self._trainer, self._module, self._ema, self._suffix = trainer, pl_module, ema, suffix
+        self._stack = ExitStack()
+
+    def __enter__(self) -> None:
+        self._stack = ExitStack()
+        self._stack.enter_context(self._ema.average_weights(self._module))
+        if self._suffix is not None:
+            self._stack.enter_context(_suffixed_logging(self._module, self._suffix))
+            self._stack.enter_context(_quiet(self._trainer))
+
+    def __exit__(self, *exc_info: Any) -> bool:
+        return self._stack.__exit__(*exc_info)
+
+    @contextmanager
+    def stepped_out(self) -> Iterator[None]:
+        """Live weights in the module, the average in the EMA, every callback back; the pass resumes after."""
+        self._stack.close()
+        try:
+            yield
+        finally:
+            self.__enter__()
+
+
+@contextmanager
+def _suffixed_logging(pl_module: pl.LightningModule, suffix: str) -> Iterator[None]:
+    """Every ``self.log(name, ...)`` of the module (and so ``log_dict``) logs ``name + suffix`` instead."""
+    log = pl_module.log
+
+    def log_with_suffix(name: str, *args: Any, **kwargs: Any) -> None:
+        log(f"{name}{suffix}", *args, **kwargs)
+
+    pl_module.log = log_with_suffix  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del pl_module.log
+
+
+@contextmanager
+def _quiet(trainer: pl.Trainer) -> Iterator[None]:
+    """No callback hooks (checkpointing, early stopping, progress bars) during the EMA pass."""
+    callbacks = trainer.callbacks
+    trainer.callbacks = []
+    try:
+        yield
+    finally:
+        trainer.callbacks = callbacks

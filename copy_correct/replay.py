@@ -1,0 +1,464 @@
+"""``ReplayBuffer``: preallocated transitions written outside autograd, sampled as new tensors.
+
+    buffer = ReplayBuffer(100_000, env.observation_space, env.action_space)    # or shapes: ReplayBuffer(100_000, (4,))
+    buffer.add(obs, action, reward, next_obs, terminated, truncated)             # what env.step gave, and the action
+    batch = buffer.sample(64)                                                    # {"obs": tensor, "action": ..., ...}
+
+    frames = ReplayBuffer(1_000_000, envs.single_observation_space, envs.single_action_space, num_envs=8)
+    frames.add(obs, actions, rewards, next_obs, terminations, truncations)       # 8 rows at once; uint8 stays uint8
+
+Copy contract:
+
+* Storage for ``capacity`` transitions is allocated once, at construction, in the stored dtypes (uint8 frames: one
+  byte per pixel): one block of ``nbytes`` bytes of which ``obs``, ``action``, ``reward``, ``next_obs``,
+  ``terminated`` and ``truncated`` are views, so the six tensors share one version counter. On the CPU the block is
+  numpy memory and the tensors are ``torch.from_numpy`` views of it; on CUDA it is a tensor on the device.
+* ``add`` copies one transition (with ``num_envs=N``, N of them, wrapping around the ring) into the next rows:
+  numpy arrays, tensors on any device, Python and numpy numbers. Every write is outside autograd: a tensor that
+  requires grad is read through ``detach()``, so the buffer never holds a graph and no sample can backpropagate into
+  the network that made an action. The caller's arrays are never kept: later changes to them cannot reach the
+  buffer. ``add`` allocates no storage, with two exceptions, both into a CPU buffer, that make a temporary: a tensor
+  on another device is copied to the host first, and a bfloat16 tensor is converted to float32 (numpy has no
+  bfloat16). On the CPU the writes are numpy's, which torch's probes (``CopyAudit``, ``MemoryProbe``) do not see;
+  ``tracemalloc`` does. Each ``add`` raises the six tensors' version counter once, so a buffer tensor saved for
+  backward and then overwritten makes ``backward()`` raise.
+* An ``add`` is checked before anything is written: a wrong shape or dtype raises a one-line ``ValueError`` that
+  names the field, and the buffer is left as it was.
+* ``sample`` gathers into new memory: the batch shares nothing with the buffer, so training code can modify it
+  (normalise in place, say) without corrupting the experience. Fields keep their stored dtypes. On the CPU the batch
+  is numpy memory, which ``MemoryProbe`` does not count (``tracemalloc`` does).
+* ``state_dict()`` holds the filled rows of each field (sharing the buffer's memory, not copied) and the write
+  position: a resumed run continues with the same experience, in the same ring order; it loads with
+  ``torch.load(..., weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+__all__ = ["ReplayBuffer"]
+
+FIELDS = ("obs", "action", "reward", "next_obs", "terminated", "truncated")
+
+# The dtypes a buffer stores, numpy's and torch's names for each.
+_TORCH_OF = {
+    np.dtype(np.bool_): torch.bool,
+    np.dtype(np.uint8): torch.uint8,
+    np.dtype(np.int8): torch.int8,
+    np.dtype(np.int16): torch.int16,
+    np.dtype(np.int32): torch.int32,
+    np.dtype(np.int64): torch.int64,
+    np.dtype(np.float16): torch.float16,
+    np.dtype(np.float32): torch.float32,
+    np.dtype(np.float64): torch.float64,
+}
+_NUMPY_OF = {t: n for n, t in _TORCH_OF.items()}
+# What values may come in as: numpy dtypes, torch dtypes, Python number types (int counts as int64 here)
+_SOURCE_DTYPES = [
+    *_TORCH_OF,
+    *map(np.dtype, (np.uint16, np.uint32, np.uint64)),
+    *_NUMPY_OF,
+    torch.bfloat16,
+    bool,
+    int,
+    float,
+]
+# (source kind, field kind) stored without a check of values or widths: "b" bool, "i" integer, "f" floating
+_STORED_AS_IS = frozenset({("b", "b"), ("b", "i"), ("i", "f"), ("f", "f")})
+_ALIGN = 64  # bytes from one field's start to the next one's, at least
+_F32_MIN, _F32_MAX = float(np.finfo(np.float32).min), float(np.finfo(np.float32).max)
+_TORCH_GATHER_BYTES = 512 * 1024  # a field's batch from this size on is gathered by torch (see sample)
+_ndarray, _int64 = np.ndarray, np.int64  # read in add's fast path: one lookup each, not two
+
+
+class Space(Protocol):
+    """What the buffer reads of a gymnasium space: ``shape`` (``None`` for ``Dict`` / ``Tuple``) and ``dtype``."""
+
+    @property
+    def shape(self) -> tuple[int, ...] | None: ...
+
+    @property
+    def dtype(self) -> Any: ...
+
+
+DTypeLike = torch.dtype | np.dtype | type | str
+
+
+@dataclass(frozen=True)
+class _Field:
+    """One field: its shapes per transition and per ``add``, stored dtype, the dtypes it takes without a look at the
+    values, what ``add`` writes through (a numpy view of the block on the CPU, else a tensor over the block's
+    memory), and its bytes per transition."""
+
+    name: str
+    shape: tuple[int, ...]
+    add_shape: tuple[int, ...]
+    dtype: torch.dtype
+    accepted: frozenset[np.dtype | torch.dtype | type]
+    writer: np.ndarray | torch.Tensor
+    row_bytes: int
+
+
+class ReplayBuffer:
+    """Ring buffer of (obs, action, reward, next_obs, terminated, truncated), ``capacity`` rows of each.
+
+    Args:
+        capacity: transitions kept; the oldest are overwritten once full.
+        obs: the observation space (``env.observation_space``; ``envs.single_observation_space`` for a vector
+            env) or the shape of one observation.
+        action: the action space or the shape of one action (``()``, the default: one discrete action index).
+        obs_dtype: storage dtype of observations (torch or numpy dtype, ``np.uint8``, ``"uint8"``); default: the
+            space's dtype, else float32.
+        action_dtype: storage dtype of actions; default: the space's dtype (``Discrete``: int64), else int64.
+        num_envs: ``None``: ``add`` takes one transition. ``N``: every field of ``add`` has a leading dimension
+            ``N`` (a vector env's step) and ``N`` rows are written. With a capacity that is a multiple of ``N``, a
+            step of numpy arrays as ``envs.step`` returns them is one row write per field (stable-baselines3's
+            layout), the fastest way in.
+        device: where the storage lives, and so where samples are gathered.
+
+    Attributes:
+        obs, action, reward, next_obs, terminated, truncated: the storage, ``capacity`` rows each, views of one
+            block. Rewards are float32, ``terminated`` and ``truncated`` bool.
+        pos: the row the next transition goes to. ``size``: how many rows hold transitions (also ``len``).
+        nbytes: the block's size in bytes: every field, each padded to a multiple of 64 bytes.
+    """
+
+    def __init__(
+        self,
+        capacity: int,
+        obs: Space | Sequence[int],
+        action: Space | Sequence[int] = (),
+        *,
+        obs_dtype: DTypeLike | None = None,
+        action_dtype: DTypeLike | None = None,
+        num_envs: int | None = None,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        if num_envs is not None and num_envs < 1:
+            raise ValueError(f"num_envs must be None or >= 1, got {num_envs}")
+        if capacity < max(1, num_envs or 1):
+            raise ValueError(f"capacity must be >= 1 and >= num_envs, got {capacity}")
+        self.capacity = capacity
+        self.num_envs = num_envs
+        self.device = torch.device(device)
+        self.obs_shape, obs_np = _layout("obs", obs, obs_dtype, np.float32)
+        self.action_shape, action_np = _layout("action", action, action_dtype, np.int64)
+        layout = {
+            "obs": (self.obs_shape, obs_np),
+            "action": (self.action_shape, action_np),
+            "reward": ((), np.dtype(np.float32)),
+            "next_obs": (self.obs_shape, obs_np),
+            "terminated": ((), np.dtype(np.bool_)),
+            "truncated": ((), np.dtype(np.bool_)),
+        }
+        sizes = {name: capacity * int(np.prod(shape)) * dtype.itemsize for name, (shape, dtype) in layout.items()}
+        self.nbytes = sum(-(-size // _ALIGN) * _ALIGN for size in sizes.values())
+        self._on_cpu = on_cpu = self.device.type == "cpu"
+        block = np.zeros(self.nbytes, dtype=np.uint8) if on_cpu else None
+        self._base = torch.from_numpy(block) if on_cpu else torch.zeros(self.nbytes, dtype=torch.uint8, device=device)
+        self._fields: list[_Field] = []
+        start = 0
+        for name, (shape, dtype) in layout.items():
+            end = start + sizes[name]
+            tensor = self._base[start:end].view(_TORCH_OF[dtype]).view(capacity, *shape)  # shares _base's counter
+            setattr(self, name, tensor)
+            if on_cpu:
+                writer = block[start:end].view(dtype).reshape(capacity, *shape)
+            else:  # a tensor set to the same memory but not a view of _base: its writes leave the counter alone
+                writer = torch.empty(0, dtype=tensor.dtype, device=self.device)
+                writer.set_(self._base.untyped_storage(), start // dtype.itemsize, tensor.shape)
+            add_shape = shape if num_envs is None else (num_envs, *shape)
+            # a Python int is never taken unseen: it has no range, so its value is checked (2**64 into int64)
+            accepted = frozenset(
+                d for d in _SOURCE_DTYPES if d is not int and _refusal(name, d, None, tensor.dtype) is None
+            )
+            self._fields.append(_Field(name, shape, add_shape, tensor.dtype, accepted, writer, sizes[name] // capacity))
+            start += -(-sizes[name] // _ALIGN) * _ALIGN
+        self._fast = _FastPath(self._fields) if on_cpu and num_envs is None else None
+        self._rows = _EnvRows(self._fields, num_envs) if on_cpu and num_envs and capacity % num_envs == 0 else None
+        self._version_of = (self._base,)  # the one counter of all six tensors, raised once per add
+        self.pos = 0
+        self.size = 0
+
+    def __len__(self) -> int:
+        return self.size
+
+    @property
+    def full(self) -> bool:
+        return self.size == self.capacity
+
+    def add(self, obs: Any, action: Any, reward: Any, next_obs: Any, terminated: Any, truncated: Any = False) -> None:
+        """Copy one transition (``num_envs=N``: N transitions, each field with a leading dimension N) into the next
+        rows, overwriting the oldest once full. Fields: numpy arrays, tensors (detached; any device), or Python and
+        numpy numbers. Checked before anything is written: a wrong shape or dtype is a ``ValueError`` naming the
+        field, a float never goes into an integer field nor a bool into a floating one, and the buffer is unchanged.
+        """
+        fast = self._fast
+        if (  # one transition as an environment loop has it, in exactly the stored dtypes: nothing to convert
+            fast is not None
+            and type(obs) is _ndarray
+            and type(next_obs) is _ndarray
+            and obs.dtype is next_obs.dtype is fast.obs_dtype
+            and obs.shape == next_obs.shape == fast.obs_shape
+            and isinstance(reward, float)
+            and _F32_MIN <= reward <= _F32_MAX
+            and type(terminated) is bool
+            and type(truncated) is bool
+            and (
+                (type(action) is int or type(action) is _int64) and fast.action_min <= action <= fast.action_max
+                if fast.action is not None
+                else type(action) is _ndarray
+                and action.dtype is fast.action_dtype
+                and action.shape == fast.action_shape
+            )
+        ):
+            pos = self.pos
+            row = fast.row
+            if row:
+                fast.obs[pos * row : pos * row + row] = obs
+                fast.next_obs[pos * row : pos * row + row] = next_obs
+            else:
+                fast.obs[pos] = obs
+                fast.next_obs[pos] = next_obs
+            if fast.action is not None:
+                fast.action[pos] = action
+            else:
+                fast.action_array[pos] = action
+            fast.reward[pos] = reward
+            fast.terminated[pos] = terminated
+            fast.truncated[pos] = truncated
+            torch._C._increment_version(self._version_of)  # what torch.autograd.graph.increment_version calls
+            pos += 1
+            self.pos = 0 if pos == self.capacity else pos
+            if self.size < self.capacity:
+                self.size += 1
+            return
+        values = (obs, action, reward, next_obs, terminated, truncated)
+        rows = self._rows
+        if rows is not None and not self.pos % rows.n and rows.fits(values):  # a vector env's step as it comes
+            at = self.pos // rows.n
+            o, a, r, n, te, tr = rows.arrays
+            o[at], a[at], r[at], n[at], te[at], tr[at] = values
+            torch._C._increment_version(self._version_of)
+            self.pos = (self.pos + rows.n) % self.capacity
+            self.size = min(self.size + rows.n, self.capacity)
+            return
+        fields = self._fields
+        if self._on_cpu:  # arrays of a dtype and shape that fit are written as they are (numpy casts them)
+            sources = [
+                v if type(v) is _ndarray and v.dtype in f.accepted and v.shape == f.add_shape else self._checked(f, v)
+                for f, v in zip(fields, values, strict=True)
+            ]
+        else:
+            sources = [self._checked(f, v) for f, v in zip(fields, values, strict=True)]
+        pos, rows = self.pos, self.num_envs or 1
+        end = pos + rows
+        if end <= self.capacity:
+            at = pos if self.num_envs is None else slice(pos, end)
+            for field, source in zip(fields, sources, strict=True):
+                field.writer[at] = source
+        else:  # the rows wrap around the end of the ring
+            split = self.capacity - pos
+            for field, source in zip(fields, sources, strict=True):
+                field.writer[pos:] = source[:split]
+                field.writer[: end - self.capacity] = source[split:]
+        torch._C._increment_version(self._version_of)
+        self.pos = end % self.capacity
+        self.size = min(self.size + rows, self.capacity)
+
+    def _checked(self, field: _Field, value: Any) -> Any:
+        """``value`` ready to be written into ``field`` (a tensor detached, and on the CPU as numpy); raises a
+        ``ValueError`` naming the field if its shape or dtype does not fit, before anything is written."""
+        if isinstance(value, torch.Tensor):
+            value = value.detach()  # Copy decision: the buffer never holds, nor writes through, a graph
+            dtype, shape = value.dtype, tuple(value.shape)
+        elif isinstance(value, (np.ndarray, np.bool_, np.integer, np.floating)):
+            dtype, shape = value.dtype, value.shape
+        elif type(value) in (bool, int, float):
+            dtype, shape = type(value), ()
+        else:
+            raise TypeError(f"{field.name} must be a numpy array, a tensor or a number, got {type(value).__name__}")
+        if shape != field.add_shape:
+            per_add = "" if self.num_envs is None else f" and {self.num_envs} per add: expected {field.add_shape}"
+            raise ValueError(f"{field.name} has shape {shape}, the buffer stores {field.shape} per transition{per_add}")
+        if dtype not in field.accepted:  # a number's value may still fit; anything else is refused
+            number = value if isinstance(value, (bool, int, float, np.generic)) else None
+            refusal = _refusal(field.name, dtype, number, field.dtype)
+            if refusal is not None:
+                raise ValueError(refusal)
+        if self._on_cpu and isinstance(value, torch.Tensor):
+            value = value.cpu()  # a host copy when the tensor is on another device
+            return (value.float() if value.dtype == torch.bfloat16 else value).numpy()  # numpy has no bfloat16
+        if not self._on_cpu and isinstance(value, (np.ndarray, np.generic)):  # torch writes tensors and Python numbers
+            return torch.from_numpy(value) if isinstance(value, np.ndarray) else value.item()
+        return value
+
+    def sample(self, batch_size: int, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """``batch_size`` transitions drawn uniformly with replacement, as new tensors on the buffer's device, in
+        the stored dtypes. The indices come from ``torch.randint`` on the CPU with ``generator``.
+
+        On the CPU the batch is numpy memory, gathered the faster way for each field's size (measured by
+        ``benchmarks/replay.py``): by numpy's ``take`` under 512 KiB (less overhead per call: vectors, rewards,
+        flags); from there on, when torch has more than one thread, by torch's ``index_select``, which splits the
+        copy over them, into an array from ``np.empty`` (numpy asks for huge pages from 4 MiB: fewer page faults)."""
+        if self.size == 0:
+            raise ValueError("cannot sample from an empty ReplayBuffer")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        index = torch.randint(self.size, (batch_size,), generator=generator, device="cpu")
+        if not self._on_cpu:
+            index = index.to(self.device)
+            return {name: getattr(self, name).index_select(0, index) for name in FIELDS}
+        rows, threads, batch = index.numpy(), torch.get_num_threads(), {}
+        for field in self._fields:
+            if threads > 1 and field.row_bytes * batch_size >= _TORCH_GATHER_BYTES:
+                out = torch.from_numpy(np.empty((batch_size, *field.shape), dtype=field.writer.dtype))
+                batch[field.name] = torch.index_select(getattr(self, field.name), 0, index, out=out)
+            else:
+                batch[field.name] = torch.from_numpy(field.writer.take(rows, axis=0))
+        return batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The filled rows of each field (sharing the buffer's memory, not copied) and the write position.
+
+        Each field is a tensor over a storage of its own, made with DLPack over the same memory: ``torch.save``
+        refuses tensors that view one storage in several dtypes. So only the filled rows are saved."""
+        fields = {name: torch.from_dlpack(getattr(self, name)[: self.size]) for name in FIELDS}
+        return {"pos": self.pos, "size": self.size, **fields}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Copy a saved buffer into this one's storage; its size, shapes and dtypes must fit."""
+        size, pos = int(state["size"]), int(state["pos"])
+        if not 0 <= size <= self.capacity or not 0 <= pos < self.capacity:
+            raise ValueError(f"saved buffer (size {size}, pos {pos}) does not fit capacity {self.capacity}")
+        for name in FIELDS:
+            saved, into = state[name], getattr(self, name)
+            expected = (size, *into.shape[1:])
+            if tuple(saved.shape) != expected or saved.dtype != into.dtype:
+                raise ValueError(
+                    f"saved {name} is {tuple(saved.shape)} {saved.dtype}, expected {expected} {into.dtype}"
+                )
+        with torch.no_grad():
+            for name in FIELDS:
+                getattr(self, name)[:size].copy_(state[name])
+        self.size, self.pos = size, pos
+
+
+class _FastPath:
+    """What ``add`` writes one transition through on a CPU buffer when the inputs are already in the stored dtypes
+    and shapes: ``memoryview`` item and slice assignment, which costs about half of numpy's ``array[pos] = x`` for a
+    few numbers (observations of more than one dimension, frames, are written by numpy)."""
+
+    def __init__(self, fields: list[_Field]) -> None:
+        arrays = {field.name: field.writer for field in fields}
+        flat = {name: memoryview(array.reshape(-1)) for name, array in arrays.items()}
+        self.obs_dtype, self.obs_shape = arrays["obs"].dtype, arrays["obs"].shape[1:]
+        self.row = self.obs_shape[0] if len(self.obs_shape) == 1 else 0  # numbers per observation, if 1-D
+        self.obs = flat["obs"] if self.row else arrays["obs"]
+        self.next_obs = flat["next_obs"] if self.row else arrays["next_obs"]
+        self.action_dtype, self.action_shape = arrays["action"].dtype, arrays["action"].shape[1:]
+        self.action_array = arrays["action"]
+        is_index = self.action_shape == () and self.action_dtype.kind in "iu"
+        self.action = flat["action"] if is_index else None  # one discrete action, a Python or numpy int
+        info = np.iinfo(self.action_dtype) if is_index else None
+        self.action_min, self.action_max = (int(info.min), int(info.max)) if info is not None else (0, 0)
+        self.reward, self.terminated, self.truncated = flat["reward"], flat["terminated"], flat["truncated"]
+
+
+class _EnvRows:
+    """What ``add`` writes a vector env's step through on a CPU buffer whose capacity is a multiple of ``num_envs``:
+    each field viewed as ``(capacity // N, N, ...)``, so the N transitions of a step are one row of each field (one
+    numpy integer-index assignment, stable-baselines3's layout) whenever the write position is a multiple of N."""
+
+    def __init__(self, fields: list[_Field], num_envs: int) -> None:
+        self.n = num_envs
+        self.arrays = tuple(f.writer.reshape(-1, num_envs, *f.shape) for f in fields)
+        obs, action, reward, _, flag, _ = fields  # next_obs is checked as obs, truncated as terminated
+        self.obs_shape, self.obs_dtype, self.obs_takes = obs.add_shape, obs.writer.dtype, obs.accepted
+        self.action_shape, self.action_dtype, self.action_takes = action.add_shape, action.writer.dtype, action.accepted
+        self.reward_takes, self.flag_takes = reward.accepted, flag.accepted
+        self.step_shape = (num_envs,)
+
+    def fits(self, values: tuple[Any, ...]) -> bool:
+        """Whether every value is a numpy array of the step's shape, in a dtype its field takes as it is (one
+        expression: a loop over the fields costs as much as the writes)."""
+        o, a, r, n, te, tr = values
+        nd, step = _ndarray, self.step_shape
+        return (
+            type(o) is nd and type(a) is nd and type(r) is nd and type(n) is nd and type(te) is nd and type(tr) is nd
+            and o.shape == self.obs_shape and n.shape == self.obs_shape and a.shape == self.action_shape
+            and r.shape == step and te.shape == step and tr.shape == step
+            and (o.dtype is self.obs_dtype or o.dtype in self.obs_takes)
+            and (n.dtype is self.obs_dtype or n.dtype in self.obs_takes)
+            and (a.dtype is self.action_dtype or a.dtype in self.action_takes)
+            and r.dtype in self.reward_takes and te.dtype in self.flag_takes and tr.dtype in self.flag_takes
+        )  # fmt: skip
+
+
+def _layout(name: str, spec: Any, dtype: DTypeLike | None, default: type) -> tuple[tuple[int, ...], np.dtype]:
+    """The per-transition shape and storage dtype of field ``name`` from a space or a shape, and a dtype or None."""
+    if hasattr(spec, "shape") and hasattr(spec, "dtype") and not isinstance(spec, (np.ndarray, torch.Tensor)):
+        if spec.shape is None:
+            raise TypeError(
+                f"{name}: a {type(spec).__name__} space has no single shape and dtype; flatten it first "
+                "(gymnasium.wrappers.FlattenObservation for observations, gymnasium.spaces.flatten_space for actions)"
+            )
+        shape, space_dtype = tuple(int(d) for d in spec.shape), spec.dtype
+    elif isinstance(spec, Sequence) and all(isinstance(d, (int, np.integer)) and d >= 0 for d in spec):
+        shape, space_dtype = tuple(int(d) for d in spec), None
+    else:
+        raise TypeError(f"{name} must be a gymnasium space or a shape (a sequence of ints), got {spec!r}")
+    chosen = dtype if dtype is not None else space_dtype if space_dtype is not None else default
+    try:
+        resolved = _NUMPY_OF.get(chosen) if isinstance(chosen, torch.dtype) else np.dtype(chosen)
+    except TypeError:
+        resolved = None
+    if resolved not in _TORCH_OF:
+        allowed = ", ".join(str(d) for d in _TORCH_OF)
+        raise ValueError(f"{name} dtype {chosen} is not one the buffer stores ({allowed})")
+    return shape, resolved
+
+
+def _kind(dtype: np.dtype | torch.dtype | type) -> str:
+    """``"b"`` (bool), ``"i"`` (integer), ``"f"`` (floating) or another letter for anything else."""
+    if isinstance(dtype, type):  # a Python number's type
+        return {bool: "b", int: "i", float: "f"}[dtype]
+    if isinstance(dtype, torch.dtype):
+        if dtype == torch.bool:
+            return "b"
+        return "f" if dtype.is_floating_point else "c" if dtype.is_complex else "i"
+    return {"b": "b", "i": "i", "u": "i", "f": "f"}.get(dtype.kind, dtype.kind)
+
+
+def _refusal(name: str, dtype: np.dtype | torch.dtype | type, number: Any, stored: torch.dtype) -> str | None:
+    """Why field ``name`` refuses a value of ``dtype`` (``number``: the value, for numbers), one line naming both
+    dtypes, or None. Refused: what storing would change: a float into an integer field, a bool into a floating one,
+    anything but a bool into a bool one, an integer array whose dtype the field cannot hold, a number out of range."""
+    kinds = (_kind(dtype), _kind(stored))
+    if kinds in _STORED_AS_IS:
+        return None
+    if kinds == ("i", "i"):
+        info = torch.iinfo(stored)
+        if number is not None:
+            fits = info.min <= int(number) <= info.max
+            return None if fits else f"{name} is {int(number)}, outside the range of the buffer's {_name(stored)}"
+        source = torch.iinfo(dtype) if isinstance(dtype, torch.dtype) else np.iinfo(dtype)
+        if info.min <= source.min and source.max <= info.max:
+            return None
+        reason = "its values could wrap around (convert it first)"
+    elif kinds[1] == "b":
+        reason = "only bools are stored as bools"
+    elif kinds[1] == "f":
+        reason = "only integers and floats are stored as floats"
+    else:
+        reason = "a float would be truncated (convert it first, or store floats)"
+    return f"{name} has dtype {_name(dtype)}, the buffer stores {_name(stored)}: {reason}"
+
+
+def _name(dtype: np.dtype | torch.dtype | type) -> str:
+    return dtype.__name__ if isinstance(dtype, type) else str(dtype).removeprefix("torch.")

@@ -1,0 +1,178 @@
+"""Target networks: a frozen copy of an online network, kept current in place.
+
+Copy contract:
+
+* ``make_target(online)`` deep-copies once: every parameter and buffer gets storage of its own,
+  ``requires_grad=False`` (so no optimizer built from ``parameters()`` with a ``requires_grad`` filter, and
+  no backward, can touch it), eval mode. ``make_target(online, into=net)`` gives ``net`` the same: its own storage,
+  written in place by ``hard_update``, then frozen.
+* ``hard_update(target, online)`` and ``soft_update(target, online, tau)`` write into the target's existing
+  storage under ``no_grad`` whatever the caller's grad mode: one ``torch._foreach_copy_`` /
+  ``torch._foreach_lerp_`` per (device, dtype) group over tensor lists built once per (target, online)
+  pair. No allocation, each target tensor's ``_version`` rises by exactly one on every device (so autograd
+  refuses a backward through a target tensor saved before the update; ``copy_correct._foreach_writes``),
+  nothing is read back to the host. ``hard_update`` is bit-exact, NaN and Inf included. Buffers come along: BatchNorm
+  statistics are copied (hard) or averaged (soft), integer buffers copied.
+* ``load_state_dict`` in the loop does the same copy with a ``state_dict()`` walk, a dict of aliases and
+  a Python loop per call; ``target.data.copy_(tau * q + (1 - tau) * t)`` allocates three temporaries per
+  tensor and bypasses autograd's version checks through ``.data``.
+
+Wrapped networks: ``torch.compile``, ``DataParallel`` and DDP wrappers are looked through (``online``, ``target`` or
+both), so their ``_orig_mod.`` / ``module.`` prefixes never make a pair mismatch; ``make_target`` copies the module
+inside (compile the target yourself if you want it compiled). The lists built for a pair refer to the target's
+modules weakly: a target its user drops is freed, whatever it holds (``tests/parts/test_target.py``).
+
+A parent module's ``.train()`` also switches the target to training mode; a recipe that holds the target
+as a submodule keeps it in eval mode (see ``recipes/dqn.py``).
+
+Sharded networks (FSDP2, parameters as ``DTensor``): FSDP2 forbids deep copies of a sharded module, so make the
+target before sharding and shard both networks alike (the same ``fully_shard`` calls on the same submodules):
+
+    target = make_target(online)
+    for network in (online, target):
+        shard(network)  # your fully_shard calls
+
+``hard_update`` and ``soft_update`` then check that each pair is spread alike (refusing, naming both layouts, a
+pair that is not) and run the same foreach calls on this rank's shards (``DTensor.to_local()``): every rank updates
+its own part, nothing is sent, no collective is issued. Before writing, they drop the target's gathered parameters
+(FSDP2 keeps the root's after a forward without backward, as a target's is), so its next forward gathers the new
+values instead of using the old gathered copy. For a network that is already sharded, build a second one, shard it
+alike and let ``make_target(online, into=second)`` copy the weights into it (local shards, no collective) and
+freeze it; ``make_target(online)`` on a sharded module raises and says so.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from copy_correct._foreach_writes import foreach_copy_, foreach_lerp_
+from copy_correct._module_tensors import TensorRefs, state_entries, unwrap
+from copy_correct._sharding import fsdp_modules, is_sharded, layout, reshard
+
+__all__ = ["hard_update", "make_target", "soft_update"]
+
+
+def make_target(online: nn.Module, into: nn.Module | None = None) -> nn.Module:
+    """A frozen copy of ``online``: own storage, ``requires_grad=False`` everywhere, eval mode.
+
+    Without ``into``, a deep copy. With ``into`` (a network built like ``online``, sharded alike when ``online`` is
+    sharded), ``online``'s parameters and buffers are copied into it in place (``hard_update``: on this rank's shards,
+    no collective) and ``into`` is frozen and returned: the way to a target of a network that is already sharded,
+    which FSDP2 cannot deep-copy.
+    """
+    if not isinstance(online, nn.Module):
+        raise TypeError(f"online must be an nn.Module, got {type(online).__name__}")
+    online = unwrap(online)
+    if into is not None:
+        if not isinstance(into, nn.Module):
+            raise TypeError(f"into must be an nn.Module, got {type(into).__name__}")
+        hard_update(into, online)
+        into.requires_grad_(False)
+        return into.eval()
+    if any(is_sharded(p) for p in online.parameters()):
+        raise ValueError(
+            "make_target: online is sharded (FSDP2 forbids deep copies of sharded modules): make the target before "
+            "fully_shard and shard both networks alike, or build a second network, shard it alike and pass it: "
+            "make_target(online, into=it)"
+        )
+    target = copy.deepcopy(online)
+    target.requires_grad_(False)
+    return target.eval()
+
+
+def hard_update(target: nn.Module, online: nn.Module) -> None:
+    """Copy every parameter and buffer of ``online`` into ``target``, in place and bit for bit."""
+    _update(target, online, 1.0)
+
+
+def soft_update(target: nn.Module, online: nn.Module, tau: float) -> None:
+    """``target = (1 - tau) * target + tau * online`` for floating tensors, in place; integer buffers copied.
+
+    ``tau`` must be in (0, 1]; ``tau == 1`` is a hard update.
+    """
+    if not 0.0 < tau <= 1.0:
+        raise ValueError(f"tau must be in (0, 1], got {tau}")
+    _update(target, online, tau)
+
+
+def _update(target: nn.Module, online: nn.Module, tau: float) -> None:
+    """One foreach call per group: ``lerp_`` by ``tau`` for floating groups when ``tau < 1``, else ``copy_``."""
+    groups = _pairs(target, online)
+    grad_was_enabled = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)  # what `with torch.no_grad()` does, at a fraction of a small network's update
+    try:
+        for group in groups:
+            if group.average and tau < 1.0:
+                foreach_lerp_(group.target.resolve(), group.online.resolve(), tau)
+            else:
+                foreach_copy_(group.target.resolve(), group.online.resolve())
+    finally:
+        torch._C._set_grad_enabled(grad_was_enabled)
+
+
+@dataclass
+class _PairGroup:
+    average: bool
+    target: TensorRefs = field(default_factory=TensorRefs)
+    online: TensorRefs = field(default_factory=TensorRefs)
+
+
+_Cached = tuple[weakref.ref, list[_PairGroup], list[weakref.ref]]
+# Keyed by the target; every value refers to modules weakly (the target's buffer owners and FSDP2 modules, the online
+# network), so a target dropped by its user is freed, cache entry and all.
+_CACHE: weakref.WeakKeyDictionary[nn.Module, _Cached] = weakref.WeakKeyDictionary()
+
+
+def _pairs(target: nn.Module, online: nn.Module) -> list[_PairGroup]:
+    """The pair's groups, built on the first call; the target's FSDP2 modules resharded (local), ready to write.
+
+    Both networks are unwrapped first (``torch.compile``, ``DataParallel``, DDP): the pair is the modules inside."""
+    target, online = unwrap(target), unwrap(online)
+    cached = _CACHE.get(target)
+    if cached is None or cached[0]() is not online:
+        sharded = fsdp_modules(target)  # found once: the updates run every step
+        reshard(sharded)  # its sharded parameters registered, to build the lists from
+        cached = (weakref.ref(online), _build(target, online), [weakref.ref(m) for m in sharded])
+        _CACHE[target] = cached
+    if cached[2]:
+        reshard([m for m in (ref() for ref in cached[2]) if m is not None])
+    return cached[1]
+
+
+def _build(target: nn.Module, online: nn.Module) -> list[_PairGroup]:
+    if target is online:
+        raise ValueError("target and online are the same module; make the target with make_target(online)")
+    targets = list(state_entries(target))
+    onlines = list(state_entries(online))
+    for (t_name, t, _), (o_name, o, _) in zip(targets, onlines, strict=False):
+        if t_name != o_name or t.shape != o.shape or t.dtype != o.dtype or t.device != o.device:
+            raise ValueError(
+                f"target and online differ at {t_name!r} / {o_name!r}: target {tuple(t.shape)} {t.dtype} "
+                f"on {t.device}, online {tuple(o.shape)} {o.dtype} on {o.device}"
+            )
+        if layout(t) != layout(o):
+            raise ValueError(
+                f"target and online are sharded differently at {t_name!r}: target {layout(t)}, online {layout(o)}; "
+                "shard both networks alike"
+            )
+    if len(targets) != len(onlines):
+        longer, name = ("target", targets[len(onlines)][0]) if len(targets) > len(onlines) else (
+            "online", onlines[len(targets)][0])  # fmt: skip
+        raise ValueError(f"target and online differ: only the {longer} has {name!r}")
+    groups: dict[tuple, _PairGroup] = {}
+    seen: set[int] = set()
+    for (_, t, t_owner), (_, o, o_owner) in zip(targets, onlines, strict=True):
+        if id(t) in seen:  # tied weights: once
+            continue
+        seen.add(id(t))
+        if any(t is x for _, x, _ in onlines):
+            raise ValueError("target and online share tensors; make the target with make_target(online)")
+        group = groups.setdefault((t.device, t.dtype), _PairGroup(average=t.is_floating_point()))
+        group.target.append(t, t_owner)
+        group.online.append(o, o_owner)
+    return list(groups.values())

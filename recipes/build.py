@@ -1,0 +1,97 @@
+"""How ``train.py`` builds a run from its Hydra config: the seed, then the data module, the model (with what it
+needs to know of the data), the callbacks, the loggers and the trainer, each instantiated from its config node.
+
+A ``ValueError`` an object raises about one of its arguments comes out naming the config key (``decay must be ...``
+from ``callbacks.ema`` becomes ``callbacks.ema.decay must be ...``), for ``train.py`` to print as one line.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import DictConfig, OmegaConf
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+__all__ = ["DATA_FACTS", "build", "data_facts", "ignore_expected_warnings"]
+
+MATMUL_PRECISIONS = ("highest", "high", "medium")
+
+
+def _instantiate(cfg: DictConfig, key: str, **kwargs: Any) -> Any:
+    """``instantiate(cfg[key])``; a ``ValueError`` about one of its arguments is re-raised naming the config key
+    (``decay must be ...`` from ``callbacks.ema`` becomes ``callbacks.ema.decay must be ...``)."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    node = OmegaConf.select(cfg, key)
+    try:
+        return instantiate(node, **kwargs)
+    except InstantiationException as err:
+        cause = err.__cause__
+        if not isinstance(cause, ValueError):
+            raise
+        message = str(cause)
+        if message.split(" ", 1)[0] in node:
+            message = f"{key}.{message}"
+        raise ValueError(message) from cause
+
+
+# What a data module knows that a model may need: a model config that leaves one of these null gets the data module's.
+DATA_FACTS = ("image_shape", "num_classes")
+
+
+def data_facts(model_cfg: DictConfig, datamodule: object) -> dict[str, Any]:
+    """The values of ``DATA_FACTS`` the model config leaves ``null``, from ``datamodule``; ``ValueError`` where the
+    config sets one the data contradicts (``model.num_classes=5`` for a folder of 10 class subfolders, say)."""
+    given, facts = OmegaConf.to_container(model_cfg, resolve=True), {}
+    assert isinstance(given, dict)
+    for key in DATA_FACTS:
+        if key not in given or not hasattr(datamodule, key):
+            continue
+        known = getattr(datamodule, key)
+        known = list(known) if isinstance(known, tuple) else known  # a list reads plainly in hparams.yaml
+        if given[key] is None:
+            facts[key] = known
+        elif given[key] != known:
+            raise ValueError(f"model.{key}={given[key]} but the data has {known}: leave model.{key} null to take it")
+    return facts
+
+
+def build(cfg: DictConfig) -> tuple[pl.Trainer, pl.LightningModule, pl.LightningDataModule | None]:
+    """Seed, then instantiate the datamodule, model, callbacks, loggers and trainer named in ``cfg``."""
+    import lightning.pytorch as pl
+    import torch
+
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)  # the seed is in .hydra/config.yaml and summary.json
+    precision = cfg.get("float32_matmul_precision", "highest")
+    if precision not in MATMUL_PRECISIONS:
+        raise ValueError(f"float32_matmul_precision must be one of {', '.join(MATMUL_PRECISIONS)}, got {precision!r}")
+    torch.set_float32_matmul_precision(precision)
+    datamodule = _instantiate(cfg, "data") if cfg.get("data") is not None else None
+    # _convert_="all": plain lists and dicts, which a checkpoint's hyperparameters can hold (weights_only loads them)
+    model = _instantiate(cfg, "model", _convert_="all", **data_facts(cfg.model, datamodule))
+    callbacks = [_instantiate(cfg, f"callbacks.{k}") for k, c in (cfg.get("callbacks") or {}).items() if c is not None]
+    loggers = [_instantiate(cfg, f"logger.{k}") for k, c in (cfg.get("logger") or {}).items() if c is not None]
+    trainer = _instantiate(cfg, "trainer", callbacks=callbacks, logger=loggers or False)
+    return trainer, model, datamodule
+
+
+def ignore_expected_warnings(model: object = None) -> None:
+    """Expected, not actionable: Hydra's run directory already holds ``.hydra/`` when the CSV logger opens it;
+    Lightning 2.6 calls a torch pytree API that torch 2.13 deprecates; and on a machine with more than three
+    cores Lightning advises more DataLoader workers, while each recipe chooses its workers on purpose (the
+    digits are in memory, so workers would only add inter-process copies; ``pinned`` has ``data.num_workers``); and
+    under ``trainer=fsdp``, ``torch.distributed.checkpoint`` announcing that it rewrites ``last.ckpt``. Plus the
+    messages ``model`` lists in its ``expected_warnings`` (regular expressions), which it causes on purpose. Set in
+    the process that trains, which for a submitit launcher is a job that never runs this module's top level; no
+    recipe sets a filter when it is imported."""
+    warnings.filterwarnings("ignore", message=r"Experiment logs directory .* exists and is not empty")
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    warnings.filterwarnings("ignore", message=r"The '\w+' does not have many workers which may be a bottleneck")
+    # Under trainer=fsdp, torch.distributed.checkpoint announces that it rewrites last.ckpt, which it does on purpose.
+    warnings.filterwarnings("ignore", message=r"Detected an existing checkpoint in .*, overwriting since")
+    for message in getattr(model, "expected_warnings", ()):
+        warnings.filterwarnings("ignore", message=message)

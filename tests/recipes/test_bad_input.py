@@ -1,0 +1,176 @@
+"""Bad input stops before training: exit status 2, exactly one line on stderr naming the key and what is
+allowed, no checkpoint written, an earlier run's directory left byte for byte as it was.
+
+Out-of-range values are checked where they are used (constructors raise ``ValueError``); ``build``
+names them by their config key. Those are tested in process, for every recipe; the subprocess cases
+prove the path from each kind of error to the one line and exit status."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from recipes.build import build
+from recipes.launch import available_recipes
+from tests.conftest import QUIET, compose_config, run_train, write_images
+
+RECIPES = ", ".join(available_recipes())
+
+# (id, arguments, phrases the one line must hold); {earlier} is a finished ema run's directory (seed 0).
+REFUSED = [
+    ("no recipe", [], ["no recipe given", "+recipe=NAME", RECIPES]),
+    ("unknown recipe", ["+recipe=nope"], ["unknown recipe 'nope'", f"recipe must be one of: {RECIPES}"]),
+    ("unknown recipe in a sweep", ["-m", "+recipe=metrics,nope"], ["unknown recipe 'nope'", RECIPES]),
+    ("misspelled key", ["+recipe=ema", "trainer.max_epoch=3"], [
+        "trainer.max_epoch is not a config key", "did you mean trainer.max_epochs?", "max_steps", "+trainer.max_epoch=",
+    ]),
+    ("misspelled key in a sweep", ["-m", "+recipe=ema", "seed=0,1", "model.hiden=8"], [
+        "model.hiden is not a config key", "did you mean model.hidden?",
+    ]),
+    ("unknown group option", ["+recipe=ema", "trainer=gpuu"], ["trainer must be one of: cpu, ddp, default, fsdp, gpu"]),
+    ("decay out of range", ["+recipe=ema", "callbacks.ema.decay=1"], ["callbacks.ema.decay must be in [0, 1), got 1"]),
+    ("empty split", ["+recipe=gan", "data.val_fraction=0.001"], [
+        "data.val_fraction=0.001 leaves 2 validation and 1795 training digits", "must be in (0.005008, 0.9944]",
+    ]),
+    ("missing checkpoint", ["+recipe=ema", "ckpt_path={earlier}/none.ckpt"], [
+        "ckpt_path must be a checkpoint file or a run directory with checkpoints/last.ckpt", "none.ckpt",
+    ]),
+    ("not a checkpoint", ["+recipe=ema", "ckpt_path={earlier}/metrics.csv"], ["metrics.csv", "is not a checkpoint"]),
+    ("another recipe's checkpoint", ["+recipe=gan", "ckpt_path={earlier}"], [
+        "last.ckpt' cannot resume this run", "holds a run of recipe 'ema', not 'gan'", "resume it with +recipe=ema",
+    ]),
+    ("another seed's checkpoint", ["+recipe=ema", "seed=1", "ckpt_path={earlier}"], ["seed=0, not seed=1"]),
+    ("a required value left ???", ["+recipe=gan", "data=images"], ["data.root has no value", "data.root=..."]),
+    ("eval_samples too few for the grid", ["+recipe=gan", "model.eval_samples=50"], [
+        "model.eval_samples must be >= 100 (each validation writes a 10x10 grid of samples), got 50",
+    ]),
+    ("a file that does not decode", ["+recipe=gan", "data=images", "data.root={broken}", "data.image_size=16"], [
+        "broken.png does not decode as an image",
+    ]),
+]  # fmt: skip
+
+OUT_OF_RANGE = [
+    ("metrics", "model.lr=-1", "model.lr must be > 0, got -1"),
+    ("metrics", "float32_matmul_precision=low", "float32_matmul_precision must be one of highest, high, medium, got"),
+    ("metrics", "data.batch_size=0", "data.batch_size must be >= 1, got 0"),
+    ("metrics", "data.val_fraction=1.5", "data.val_fraction must be in (0, 1), got 1.5"),
+    ("ema", "callbacks.ema.decay=1.5", "callbacks.ema.decay must be in [0, 1), got 1.5"),
+    ("ema", "model.lr=0", "model.lr must be > 0, got 0"),
+    ("ema", "data.batch_size=0", "data.batch_size must be >= 1, got 0"),
+    ("ema", "data.val_fraction=0.999", "data.val_fraction=0.999 leaves 1796 validation and 1 training digits"),
+    ("gan", "model.ema_decay=1", "model.ema_decay must be in [0, 1), got 1"),
+    ("gan", "model.lr=0", "model.lr must be > 0, got 0"),
+    ("gan", "data.batch_size=-2", "data.batch_size must be >= 1, got -2"),
+    ("gan", "model.eval_samples=99", "model.eval_samples must be >= 100 (each validation writes a 10x10 grid"),
+    ("gan", "model.network=cnn", "model.network must be one of auto, mlp, conv, got 'cnn'"),
+    ("gan", "model.network=conv", "model.network=conv needs square images whose side is a power of two, 16 or more"),
+    ("ema", "model.num_classes=5", "model.num_classes=5 but the data has 10: leave model.num_classes null"),
+    ("ema", "model.image_shape=[1,4,16]", "model.image_shape=[1, 4, 16] but the data has [1, 8, 8]"),
+    ("dqn", "model.tau=0", "model.tau must be in (0, 1], got 0"),
+    ("dqn", "model.lr=0", "model.lr must be > 0, got 0"),
+    ("dqn", "model.batch_size=0", "model.batch_size must be >= 1, got 0"),
+    ("pinned", "data.max_shift=64", "data.max_shift must be in [0, data.size=64), got 64"),
+    ("pinned", "data.size=4", "data.size must be >= 8, got 4"),
+    ("pinned", "data.val_fraction=0.001", "data.val_fraction=0.001 leaves 2 validation and 1795 training digits"),
+    ("pinned", "model.lr=0", "model.lr must be > 0, got 0"),
+    ("pinned", "model.stem_stride=0", "model.stem_stride must be >= 1, got 0"),
+    ("pinned", "data.source=disk", "data.source must be one of workers, store, got 'disk'"),
+    ("pinned", "data.channels=2", "data.channels must be 1 or 3, got 2"),
+    ("pinned", "data.batches_per_epoch=0", "data.batches_per_epoch must be >= 1, got 0"),
+    ("pinned", "+pinned=gpu_scale data.store_size=1024", "data.store_size must be >= data.batch_size=2048, got 1024"),
+]
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def earlier(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished one-epoch ema run (seed 0): a run directory with a last.ckpt that a bad run must not touch."""
+    run_dir = tmp_path_factory.mktemp("earlier") / "ema"
+    result = run_train("+recipe=ema", "seed=0", "trainer.max_epochs=1", *QUIET, f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (run_dir / "checkpoints" / "last.ckpt").is_file()
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def broken(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of images, one of which is not an image."""
+    folder = write_images(tmp_path_factory.mktemp("broken"), 4)
+    (folder / "broken.png").write_bytes(b"not a png")
+    return folder
+
+
+@pytest.mark.parametrize(("args", "phrases"), [pytest.param(a, p, id=i) for i, a, p in REFUSED])
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(
+    args: list[str], phrases: list[str], earlier: Path, broken: Path, tmp_path: Path
+) -> None:
+    before = snapshot(earlier)
+    run_dir = tmp_path / "run"
+    result = run_train(*(a.format(earlier=earlier, broken=broken) for a in args), f"hydra.run.dir={run_dir}")
+    assert result.returncode == 2, result.stderr[-3000:]
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("error: ")
+    for phrase in phrases:
+        assert phrase in line, line
+    assert not list(tmp_path.rglob("*.ckpt"))
+    assert snapshot(earlier) == before
+
+
+def test_a_bad_run_pointed_at_an_earlier_directory_changes_it(earlier: Path, tmp_path: Path) -> None:
+    """The control for the snapshot: Hydra writes its .hydra/ files before any check of ours can run, which is
+    why a resumed run gets a directory of its own instead of reusing the crashed one."""
+    copy = tmp_path / "copy"
+    shutil.copytree(earlier, copy)
+    before = snapshot(copy)
+    result = run_train("+recipe=ema", "callbacks.ema.decay=1", f"hydra.run.dir={copy}")
+    assert result.returncode == 2
+    assert snapshot(copy) != before
+
+
+@pytest.mark.parametrize(("recipe", "override", "message"), OUT_OF_RANGE)
+def test_out_of_range_value_is_refused_by_build_naming_its_key(
+    recipe: str, override: str, message: str, tmp_path: Path
+) -> None:
+    with pytest.raises(ValueError) as refused:
+        build(compose_config(f"+recipe={recipe}", *override.split(), output_dir=tmp_path))
+    assert str(refused.value).startswith(message)
+    build(compose_config(f"+recipe={recipe}", output_dir=tmp_path))  # the control: the defaults build
+
+
+@pytest.mark.parametrize(
+    ("recipe", "folder", "message"),
+    [
+        (
+            "ema",
+            "unlabelled",
+            "recipe ema classifies, and the data has no labels: put each class's images in a subfolder",
+        ),
+        ("ema", "one class", "recipe ema classifies, and the data has 1 class"),
+    ],
+)
+def test_a_folder_a_recipe_cannot_use_is_refused_by_build(
+    recipe: str, folder: str, message: str, tmp_path: Path
+) -> None:
+    root = write_images(tmp_path / "images", 6, classes=0 if folder == "unlabelled" else 1)
+    overrides = ["data=images", f"data.root={root}", "data.image_size=16", "data.num_workers=0"]
+    with pytest.raises(ValueError) as refused:
+        build(compose_config(f"+recipe={recipe}", *overrides, output_dir=tmp_path))
+    assert str(refused.value).startswith(message)
+
+
+@pytest.mark.parametrize("image_shape", [None, (8, 8), [1, 8, 8, 1]])
+@pytest.mark.parametrize("model", ["ema", "gan"])
+def test_a_model_built_by_hand_without_an_image_shape_says_which_key(model: str, image_shape: object) -> None:
+    """``train.py`` fills ``model.image_shape`` from the data; a model built in your own code must be given it."""
+    from recipes.ema import NoisyClassifier
+    from recipes.gan import GAN
+
+    build = {"ema": lambda **kw: NoisyClassifier(num_classes=10, **kw), "gan": GAN}[model]
+    with pytest.raises(ValueError, match=r"^model\.image_shape must be \(channels, height, width\), got "):
+        build(image_shape=image_shape)
+    build(image_shape=[1, 8, 8])  # the control: three sizes, as a list (what a config holds), build

@@ -1,0 +1,142 @@
+"""Resume after a crash: a run killed with SIGKILL once it has written a checkpoint, resumed with
+``ckpt_path=<its run directory>``, ends bit for bit in the state of an uninterrupted run of the same length
+and seed (CPU): weights, EMA shadows, target network, replay buffer, optimiser state, generator states.
+
+The control resumes from the same checkpoint with one piece of the saved state withheld (the data order,
+the global generators, the environment's episode): the same comparison then finds the weights different,
+so each piece is needed and an equality here is not an empty one."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from copy_correct.lightning import ResumeState
+from recipes.build import build
+from recipes.data.digits import DigitsDataModule
+from recipes.dqn import DQN
+from tests.conftest import ON_CPU, QUIET, ROOT, compose_config, run_train
+
+RUNS = {
+    "ema": ["trainer.max_epochs=4"],
+    "dqn": [
+        "model.total_env_steps=2048", "model.learning_starts=512", "model.eval_every=768", "model.eval_episodes=2",
+        "model.gradient_steps=16", "model.target_update_every=16", "model.buffer_size=1500",
+    ],  # 8 rounds, last.ckpt after each round that trained (every gradient_steps); the buffer wraps around
+    "gan": ["trainer.max_epochs=4", "trainer.check_val_every_n_epoch=1", "model.judge_epochs=2"],
+}  # fmt: skip
+# What each recipe's checkpoint must hold, so that comparing it is not comparing nothing.
+MUST_HOLD = {
+    "ema": ["callbacks/EMACallback{'decay': 0.995}/ema/shadow/net.body.1.weight", "DigitsDataModule/shuffle"],
+    "dqn": ["state_dict/target.net.0.weight", "replay_buffer/obs", "dqn/rng", "dqn/episode_actions"],
+    "gan": ["generator_ema/shadow/net.0.weight", "state_dict/judge.net.head.weight", "DigitsDataModule/shuffle"],
+}
+ALWAYS = ["state_dict", "optimizer_states/0/state", "callbacks/ResumeState/rng/0/torch", "loops"]
+STEPS = {"ema": 4 * 90, "dqn": 7 * 16, "gan": 4 * 23 * 2}  # optimizer steps of the whole run
+WITHHELD = {  # the control: resuming without this leaves the run elsewhere
+    "ema": (DigitsDataModule, "load_state_dict"),  # the shuffle generator: epochs would repeat the first orders
+    "dqn": (DQN, "replay_episode"),  # the episode in progress: the environment would start a new one
+    "gan": (ResumeState, "on_train_start"),  # the global generators: other latents, other dropout masks
+}
+
+
+def train_command(recipe: str, run_dir: Path, *extra: str) -> list[str]:
+    return [f"+recipe={recipe}", "seed=0", ON_CPU, *QUIET, *RUNS[recipe], f"hydra.run.dir={run_dir}", *extra]
+
+
+def resume_in_process(recipe: str, checkpoint: Path, output_dir: Path) -> Path:
+    """What ``train.py ... ckpt_path=...`` does, in this process (so that a test can patch it)."""
+    cfg = compose_config(f"+recipe={recipe}", "seed=0", ON_CPU, *QUIET, *RUNS[recipe], output_dir=output_dir)
+    trainer, model, datamodule = build(cfg)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=checkpoint, weights_only=True)
+    return output_dir / "checkpoints" / "last.ckpt"
+
+
+def run_until_killed(args: list[str], run_dir: Path) -> None:
+    """Start ``train.py`` and SIGKILL it the moment ``checkpoints/last.ckpt`` exists: ``AtomicCheckpointIO``
+    renames a whole file into place, so it is whole once it exists."""
+    last = run_dir / "checkpoints" / "last.ckpt"
+    with open(run_dir.parent / f"{run_dir.name}.log", "w") as log:
+        process = subprocess.Popen([sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, stdout=log, stderr=log)
+        while process.poll() is None and not last.exists():
+            time.sleep(0.005)
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=60)
+    assert process.returncode == -signal.SIGKILL, (run_dir.parent / f"{run_dir.name}.log").read_text()[-3000:]
+    assert last.is_file() and not (run_dir / "summary.json").exists()  # killed mid-run, after a checkpoint
+
+
+def load(path: Path) -> dict[str, Any]:
+    """A checkpoint as written (weights_only: tensors and plain containers only), less ModelCheckpoint's own
+    bookkeeping, which names the run directory and so differs between any two runs."""
+    checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    checkpoint["callbacks"] = {k: v for k, v in checkpoint["callbacks"].items() if not k.startswith("ModelCheckpoint")}
+    return checkpoint
+
+
+def differences(a: Any, b: Any, path: str = "") -> list[str]:
+    """Paths at which ``a`` and ``b`` differ: tensors by dtype, shape and ``torch.equal``, floats bit for bit."""
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        if set(a) != set(b):
+            return [f"{path}: keys {sorted(map(str, set(a) ^ set(b)))}"]
+        return [d for k in a for d in differences(a[k], b[k], f"{path}/{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and type(a) is type(b):
+        if len(a) != len(b):
+            return [f"{path}: length {len(a)} vs {len(b)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in differences(x, y, f"{path}/{i}")]
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        same = a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        return [] if same else [path]
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return []
+    return [] if type(a) is type(b) and a == b else [path]
+
+
+def present(checkpoint: Mapping[str, Any], path: str) -> bool:
+    node: Any = checkpoint
+    for part in path.split("/"):
+        if isinstance(node, Mapping) and part in node:
+            node = node[part]
+        elif isinstance(node, (list, tuple)) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return False
+    return not isinstance(node, (Mapping, list, tuple, torch.Tensor)) or len(node) > 0
+
+
+@pytest.mark.parametrize("recipe", list(RUNS))
+def test_killed_run_resumed_from_its_directory_ends_bit_for_bit_as_the_uninterrupted_one(
+    recipe: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    full, killed, resumed = tmp_path / "full", tmp_path / "killed", tmp_path / "resumed"
+    with open(tmp_path / "full.log", "w") as log:
+        uninterrupted = subprocess.Popen(
+            [sys.executable, str(ROOT / "train.py"), *train_command(recipe, full)], cwd=ROOT, stdout=log, stderr=log
+        )
+        run_until_killed(train_command(recipe, killed), killed)
+        assert uninterrupted.wait(timeout=600) == 0, (tmp_path / "full.log").read_text()[-3000:]
+    at_kill = load(killed / "checkpoints" / "last.ckpt")
+    result = run_train(*train_command(recipe, resumed, f"ckpt_path={killed}"))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    final, final_resumed = load(full / "checkpoints" / "last.ckpt"), load(resumed / "checkpoints" / "last.ckpt")
+    assert final["global_step"] == STEPS[recipe] and 0 < at_kill["global_step"] < STEPS[recipe]
+    for path in ALWAYS + MUST_HOLD[recipe]:
+        assert present(final, path), path
+    assert differences(final, final_resumed) == []
+
+    monkeypatch.setattr(*WITHHELD[recipe], lambda *args: None)
+    control = load(resume_in_process(recipe, killed / "checkpoints" / "last.ckpt", tmp_path / "control"))
+    assert control["global_step"] == STEPS[recipe]
+    assert any(d.startswith("/state_dict/") for d in differences(final, control))

@@ -1,0 +1,44 @@
+"""Run by tests/lightning/test_ema_callback.py: 2 CPU processes (gloo) train with EMACallback; each rank saves its
+shadow."""
+
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from copy_correct.lightning import EMACallback
+from tests.lightning.test_ema_callback import Regressor
+
+
+class SaveShadow(pl.Callback):
+    def __init__(self, ema: EMACallback, out: Path) -> None:
+        self.ema, self.out = ema, out
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        assert self.ema.ema is not None
+        torch.save(dict(self.ema.ema.shadow), self.out / f"rank{trainer.global_rank}.pt")
+
+
+class WithoutBufferSync(EMACallback):
+    """The control: each rank averages its own BatchNorm statistics."""
+
+    def _buffers_from_rank_zero(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pass
+
+
+if __name__ == "__main__":
+    out = Path(sys.argv[1])
+    control = len(sys.argv) > 2 and sys.argv[2] == "control"
+    pl.seed_everything(0)
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(256, 8, generator=generator), torch.randn(256, 1, generator=generator))
+    ema = (WithoutBufferSync if control else EMACallback)(decay=0.9)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[ema, SaveShadow(ema, out)],
+    )  # fmt: skip
+    trainer.fit(Regressor(), DataLoader(data, batch_size=16))

@@ -1,0 +1,164 @@
+"""Charts of the benchmark tables: every ratio column of a section of ``docs/benchmarks.md``, drawn from the table as
+the bench script wrote it, into the figure block beside it.
+
+A benchmark redraws its section's chart when it rewrites the section (``benchmarks.report.write_section``);
+``python -m tools.manual.figures benchmarks`` redraws them all. The block records a digest of the tables it was drawn
+from, so a test can tell a chart that no longer matches its table.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+from tools.manual.figure_pages import figure_blocks, save_figure
+
+if TYPE_CHECKING:
+    from tools.manual.figures import Context
+
+Tables = dict[str, dict[str, dict[str, str]]]  # {caption: {row label: {column: cell}}}
+_SECTION = re.compile(r"<!-- (?P<key>[\w-]+):start -->\n## (?P<title>[^\n]+)\n(?P<body>.*?)<!-- (?P=key):end -->", re.S)
+_RATIO_COLUMN = re.compile(r"/ (ours|bare loader|prefetcher)$|\(/ N=1\)$")
+OURS, PEER, FLOOR = "#4c72b0", "#dd8452", "#a0a0a0"
+COLUMN_COLOURS = ("#dd8452", "#55a868", "#8172b3", "#c44e52")
+_FLOORS = ("bare ", "plain copy", "floor", "list of ready", "candidate", "one _foreach")
+_OURS = ("copy_correct.", "ours", "DevicePrefetcher", "DeviceDataLoader")
+
+
+def chart_name(key: str) -> str:
+    return f"bench-{key}"
+
+
+def sections(markdown: str) -> dict[str, tuple[str, str]]:
+    """The sections a bench script wrote: {key: (title, body)}."""
+    return {m["key"]: (m["title"], m["body"]) for m in _SECTION.finditer(markdown)}
+
+
+def read_section_tables(markdown: str, key: str) -> tuple[str, Tables]:
+    """Section ``key``'s text (its paragraphs that are no table, no table caption and no figure) and its tables. A
+    table without a bold caption before it takes the section's title; a row whose first cell repeats in its table is
+    labelled by its first two cells."""
+    title, body = sections(markdown)[key]
+    body = re.sub(r"<!-- figure:.*?:end -->", "", body, flags=re.S)
+    paragraphs = [p.strip() for p in body.split("\n\n") if p.strip()]
+    text = "\n\n".join(p for p in paragraphs if not p.startswith(("|", "**")))
+    tables: Tables = {}
+    caption = title
+    for paragraph in paragraphs:
+        if paragraph.startswith("**") and "**" in paragraph[2:]:
+            caption = paragraph[2 : paragraph.index("**", 2)]
+        if "\n|" not in "\n" + paragraph:
+            continue
+        lines = [line for line in paragraph.splitlines() if line.startswith("|")]
+        columns = [cell.strip() for cell in lines[0].strip("|").split("|")]
+        rows = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
+        firsts = [row[0] for row in rows]
+        table = tables.setdefault(caption, {})
+        for row in rows:
+            second = f"{columns[1]}={row[1]}" if len(columns[1]) <= 3 else row[1]  # "N=2", or the cell itself
+            label = row[0] if firsts.count(row[0]) == 1 else f"{row[0]}, {second}"
+            table[label] = dict(zip(columns, row, strict=True))
+        caption = title
+    return text, tables
+
+
+def digest(tables: Tables) -> str:
+    return hashlib.sha1(repr(sorted((k, sorted(v.items())) for k, v in tables.items())).encode()).hexdigest()[:12]
+
+
+def recorded_digest(markdown: str, key: str) -> str | None:
+    """The digest of the tables that section ``key``'s chart was drawn from, as its block records it."""
+    found = re.search(r"<!-- tables ([0-9a-f]+) -->", figure_blocks(markdown).get(chart_name(key), ""))
+    return found[1] if found else None
+
+
+def _ratio(cell: str, column: str) -> float | None:
+    found = re.search(r"\(([\d.]+)\)", cell) if column.endswith("(/ N=1)") else re.match(r"([\d.,]+)x?$", cell)
+    return float(found[1].replace(",", "")) if found else None
+
+
+def _colour(label: str) -> str:
+    if label.startswith(_OURS) or ": ours" in label or ", ours" in label:
+        return OURS
+    return FLOOR if any(word in label for word in _FLOORS) else PEER
+
+
+def ratio_panels(tables: Tables) -> list[tuple[str, list[str], dict[str, list[float | None]]]]:
+    """Per table with ratio columns: (caption, row labels, {column: value per row})."""
+    panels = []
+    for caption, rows in tables.items():
+        columns = [c for c in next(iter(rows.values()), {}) if _RATIO_COLUMN.search(c)]
+        if columns:
+            labels = list(rows)
+            panels.append((caption, labels, {c: [_ratio(rows[label][c], c) for label in labels] for c in columns}))
+    return panels
+
+
+def draw_section_chart(docs: Path, page: str, key: str, made_by: str) -> Path | None:
+    """Chart section ``key`` of ``docs/PAGE`` into its figure block; ``None`` when its tables have no ratio column.
+    ``made_by`` is the provenance sentence for the caption."""
+    markdown = (docs / page).read_text()
+    title, _ = sections(markdown)[key]
+    _, tables = read_section_tables(markdown, key)
+    panels = ratio_panels(tables)
+    if not panels:
+        return None
+    heights = [0.9 + 0.24 * len(labels) * (1 + 0.6 * (len(values) - 1)) for _, labels, values in panels]
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8.5, sum(heights)), height_ratios=heights, squeeze=False)
+    for ax, (caption, labels, values) in zip(axes[:, 0], panels, strict=True):
+        _panel(ax, caption, labels, values)
+    fig.tight_layout()
+    columns = sorted({c for _, _, values in panels for c in values})
+    return save_figure(
+        fig, docs, page, chart_name(key),
+        f"Chart of the ratio columns of the {title} tables",
+        f"The tables' ratio columns ({', '.join(f'`{c}`' for c in columns)}) as bars, on a log scale; the line at 1 is "
+        "the reference of each column. Dark: ours; orange and other colours: peers; grey: floors and candidates. "
+        + made_by,
+        extra=f"<!-- tables {digest(tables)} -->\n",
+    )  # fmt: skip
+
+
+def _panel(ax: plt.Axes, caption: str, labels: list[str], values: dict[str, list[float | None]]) -> None:
+    many = len(values) > 1
+    height = 0.8 / len(values)
+    found = [v for column in values.values() for v in column if v]
+    for i, (column, column_values) in enumerate(values.items()):
+        for row, (label, value) in enumerate(zip(labels, column_values, strict=True)):
+            if value is None:
+                continue
+            y = row + (i - (len(values) - 1) / 2) * height
+            colour = COLUMN_COLOURS[i % len(COLUMN_COLOURS)] if many else _colour(label)
+            ax.barh(y, value, height=height * 0.9, color=colour, label=column if many and row == 0 else None)
+            ax.text(value * 1.04, y, f"{value:.2f}x", va="center", fontsize=7)
+    ax.set_xscale("log")
+    low, high = min([*found, 1.0]), max([*found, 1.0])
+    ax.set_xlim(low / 1.5, high * 2.2)  # room for the value beside the longest bar
+    ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}x"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.axvline(1.0, color="black", lw=0.8)
+    ax.set_yticks(range(len(labels)), [label if len(label) <= 60 else label[:57] + "..." for label in labels])
+    ax.invert_yaxis()
+    ax.tick_params(axis="y", labelsize=7.5)
+    ax.grid(axis="y", visible=False)
+    ax.set_title(caption, loc="left", fontsize=9)
+    if many:  # below the axis, where no bar can be
+        ax.legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(0, -0.12), ncol=len(values), frameon=False)
+    else:
+        ax.set_xlabel(f"{next(iter(values))} (log scale)")
+
+
+def benchmark_figures(ctx: Context) -> None:
+    """Every section of ``docs/benchmarks.md`` with a ratio column, charted beside its tables."""
+    page = "benchmarks.md"
+    for key in sections((ctx.docs / page).read_text()):
+        draw_section_chart(ctx.docs, page, key, ctx.provenance.sentence(ctx.command))
