@@ -22,7 +22,6 @@ from copy_correct.lightning import GraphRetentionCallback
 from copy_correct.probes import CopyAudit, MemoryProbe
 from recipes import build as run_builder
 from recipes.gan import GAN, _bce, discriminator_loss
-from recipes.gan_quality import sample_grid
 from recipes.networks import ConvDiscriminator, has_batch_norm
 from tests.conftest import DEVICES, OWN_IMAGES, QUIET, compose_config, run_train, warning_lines, write_images
 
@@ -173,15 +172,6 @@ def test_a_discriminator_with_batchnorm_sees_real_and_fake_apart_and_one_forward
     torch.testing.assert_close(discriminator_loss(d, real, fake), _bce(d(real), 1.0) + _bce(d(fake), 0.0))
     mixed = d(torch.cat([real, fake]))  # the control: one forward normalises each half with both halves' statistics
     assert not torch.allclose(mixed[:8], d(real))
-
-
-@pytest.mark.parametrize("channels", [1, 3])
-def test_the_sample_grid_is_ten_by_ten_of_the_data_shape(channels: int) -> None:
-    picture = sample_grid(torch.zeros(100, channels, 16, 16))
-    assert picture.mode == ("L" if channels == 1 else "RGB")
-    assert picture.size == (10 * 18 * 3, 10 * 18 * 3)  # a pixel of border each side; scaled to 400 or more across
-    with pytest.raises(ValueError, match="square number"):
-        sample_grid(torch.zeros(99, channels, 16, 16))
 
 
 def test_short_run_writes_samples_and_summary(tmp_path: Path) -> None:
