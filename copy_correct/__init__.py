@@ -11,6 +11,7 @@ Tensor parts:
     hard_update          target <- online, in place, bit for bit, one foreach call per group
     soft_update          target <- (1 - tau) target + tau online, in place
     ReplayBuffer         preallocated transitions written in place, sampled as independent tensors
+    FrameReplayBuffer    frame-stacked transitions, each frame stored once per env stream; stacks rebuilt at sample
     GradientAverager     a parameter list's gradients averaged over processes, one collective per dtype
     frozen               a block in which a module's parameters do not require grad, flags restored after
     DevicePrefetcher     batches on the device, the next one's copy overlapping compute on a side stream
@@ -23,6 +24,7 @@ Tensor parts:
 from copy_correct.device_loader import DeviceDataLoader, make_loader
 from copy_correct.ema import EMA
 from copy_correct.errors import CheckpointMismatch
+from copy_correct.frame_replay import FrameReplayBuffer
 from copy_correct.freeze import frozen
 from copy_correct.grad_average import GradientAverager
 from copy_correct.prefetch import DevicePrefetcher, map_tensors
@@ -34,6 +36,7 @@ __all__ = [
     "CheckpointMismatch",
     "DeviceDataLoader",
     "DevicePrefetcher",
+    "FrameReplayBuffer",
     "GradientAverager",
     "ReplayBuffer",
     "frozen",

@@ -3,6 +3,7 @@
     python train.py +recipe=dqn                      # CartPole-v1; hard target update every target_update_every steps
     python train.py +recipe=dqn model.tau=0.005 model.target_update_every=1     # soft (Polyak) updates
     python train.py +recipe=dqn env.id=Acrobot-v1    # any environment with Discrete actions and Box observations
+    python train.py +recipe=dqn +dqn=atari trainer=gpu   # Breakout as CleanRL's dqn_atari.py plays it (atari extra)
 
 What it shows:
   * The target network is ``make_target(q)``: a frozen copy with storage of its own, no gradients, never in
@@ -12,6 +13,8 @@ What it shows:
   * The bootstrap target ``r + gamma * max Q_target(s')`` is computed under ``no_grad``: no graph through
     the target network, so no gradient can reach it and no activations of it are kept.
   * Experience lives in a preallocated ``ReplayBuffer`` built from the spaces; samples are independent tensors.
+    Stacks of frames (Atari: 4 frames of 84x84) go into a ``FrameReplayBuffer``, which keeps each frame once and
+    rebuilds the stacks when it samples: an eighth of the memory (``model.replay``).
   * Truncation (a time limit: CartPole's 500 steps) is not termination: those transitions still bootstrap.
 
 One Lightning "batch" is one round: ``train_freq`` environment steps, then ``gradient_steps`` updates.
@@ -26,13 +29,16 @@ Checkpoints (after any round) resume bit for bit: besides the networks and Adam'
 replay buffer, the counters, both generators' states, the curves, and the current episode as the
 environment generator's state at its reset plus its actions so far; resuming replays that episode, which
 lands on the checkpoint's observation exactly (checked) because gymnasium environments are deterministic
-given their generator. A checkpoint of a run on another environment is refused.
+given their generator. Where an episode is one life of a game (Atari), the replay starts at the game's reset and
+repeats the lives lost since. A checkpoint of a run on another environment is refused.
 
-Change first: ``QNetwork`` and the environment (``env.id``); the defaults follow well-known CartPole settings.
+Change first: ``QNetwork`` and the environment (``env.id``); the defaults follow well-known CartPole settings, and
+``conf/dqn/atari.yaml`` CleanRL's ``dqn_atari.py`` (with the Nature network, ``recipes/atari.py``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from pathlib import Path
 from typing import Any
@@ -45,9 +51,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
-from copy_correct import CheckpointMismatch, ReplayBuffer, hard_update, make_target, soft_update
+from copy_correct import CheckpointMismatch, FrameReplayBuffer, ReplayBuffer, hard_update, make_target, soft_update
+from recipes.atari import NatureQNetwork, game_goes_on, is_atari, make_atari_env, start_a_game_at_the_next_reset
 
 __all__ = ["DQN", "QNetwork", "make_env"]
+
+NETWORKS = ("auto", "mlp", "nature_cnn")
+REPLAYS = ("auto", "whole", "frames")
+RESET = -1  # in a checkpoint's episode actions: the env was reset there (a life lost, the game going on)
 
 
 class QNetwork(nn.Module):
@@ -97,7 +108,9 @@ class DQN(pl.LightningModule):
         total_env_steps: int = 50_000,
         eval_every: int = 5_000,
         eval_episodes: int = 10,
-        max_grad_norm: float = 10.0,
+        max_grad_norm: float | None = 10.0,
+        network: str = "auto",
+        replay: str = "auto",
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -117,15 +130,30 @@ class DQN(pl.LightningModule):
         ).items():  # fmt: skip
             if value < 1:
                 raise ValueError(f"model.{name} must be >= 1, got {value}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"model.max_grad_norm must be > 0 or null (no clipping), got {max_grad_norm}")
+        for name, value, allowed in (("network", network, NETWORKS), ("replay", replay, REPLAYS)):
+            if value not in allowed:
+                raise ValueError(f"model.{name} must be one of {', '.join(allowed)}, got {value!r}")
         self.save_hyperparameters()
         self.automatic_optimization = False
         self.env, self.eval_env = make_env(env_id), make_env(env_id)
         self.reward_threshold: float | None = self.env.spec.reward_threshold  # None: no solved_at_step
-        obs_dim = math.prod(self.env.observation_space.shape)
-        self.q = QNetwork(obs_dim, self.env.action_space.n, hidden)
+        observations, actions = self.env.observation_space, self.env.action_space
+        frames = is_frame_stack(observations)
+        if network == "nature_cnn" or (network == "auto" and frames):
+            if observations.shape[1:] != (84, 84):
+                raise ValueError(f"model.network=nature_cnn takes stacks of 84x84 frames, not {observations.shape}")
+            self.q: nn.Module = NatureQNetwork(actions.n, observations.shape[0])
+        else:
+            self.q = QNetwork(math.prod(observations.shape), actions.n, hidden)
         # Copy decision: one deep copy, once. From here on the target is only written in place.
         self.target = make_target(self.q)
-        self.buffer = ReplayBuffer(buffer_size, self.env.observation_space, self.env.action_space)
+        if replay == "frames" or (replay == "auto" and frames):
+            # Copy decision: each frame once; the stacks are rebuilt by the sample, not stored 8 times over.
+            self.buffer: ReplayBuffer | FrameReplayBuffer = FrameReplayBuffer(buffer_size, observations, actions)
+        else:
+            self.buffer = ReplayBuffer(buffer_size, observations, actions)
         self.rng = np.random.default_rng(seed)
         self.sampler = torch.Generator().manual_seed(seed)
         self.env_steps = 0
@@ -181,7 +209,8 @@ class DQN(pl.LightningModule):
             loss = self.td_loss(self.buffer.sample(h.batch_size, generator=self.sampler))
             optimizer.zero_grad(set_to_none=True)
             self.manual_backward(loss)
-            nn.utils.clip_grad_norm_(self.q.parameters(), h.max_grad_norm)
+            if h.max_grad_norm is not None:
+                nn.utils.clip_grad_norm_(self.q.parameters(), h.max_grad_norm)
             optimizer.step()
             self.updates += 1
             if self.updates % h.target_update_every == 0:
@@ -205,8 +234,11 @@ class DQN(pl.LightningModule):
             self.curve.append((self.env_steps, self.episode_return))
             self.log("train/episode_return", self.episode_return)
             self.episode_return = 0.0
-            self.episode_start = self.env.np_random.bit_generator.state
-            self.episode_actions.clear()
+            if game_goes_on(self.env):  # a life lost: the game, and what a resume replays of it, go on
+                self.episode_actions.append(RESET)
+            else:
+                self.episode_start = self.env.np_random.bit_generator.state
+                self.episode_actions.clear()
             self.obs, _ = self.env.reset()
 
     def td_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -278,13 +310,15 @@ class DQN(pl.LightningModule):
     def replay_episode(self, start: dict[str, Any] | None, actions: list[int], obs: np.ndarray) -> None:
         """Put the training environment where a checkpoint left it, mid-episode: reset it from the generator
         state recorded before the episode's reset (``None``: the run's first, seeded reset) and repeat the
-        episode's actions. Raises ``RuntimeError`` if that does not reproduce the recorded observation."""
+        episode's actions (``RESET``: the resets of lives lost since the game's). Raises ``RuntimeError`` if that does
+        not reproduce the recorded observation."""
         self.obs, _ = self.env.reset(seed=self.hparams.seed)
         if start is not None:
             self.env.np_random.bit_generator.state = start
+            start_a_game_at_the_next_reset(self.env)  # as after the game over it was recorded at
             self.obs, _ = self.env.reset()
         for action in actions:
-            self.obs, *_ = self.env.step(action)
+            self.obs = self.env.reset()[0] if action == RESET else self.env.step(action)[0]
         if not np.array_equal(self.obs, obs):
             raise RuntimeError(
                 f"replaying the current episode of {self.hparams.env_id} did not reach the checkpoint's observation: "
@@ -331,13 +365,21 @@ SUGGESTED_ENVS = "CartPole-v1, Acrobot-v1, MountainCar-v0 or LunarLander-v3 (nee
 LISTING = "python -c 'import gymnasium; gymnasium.pprint_registry()' lists every id"
 
 
+def is_frame_stack(space: gym.Space) -> bool:
+    """Whether observations are stacks of uint8 frames (``(stack, height, width)``), as Atari's are."""
+    return isinstance(space, gym.spaces.Box) and space.dtype == np.uint8 and len(space.shape) == 3
+
+
 def make_env(env_id: str) -> gym.Env:
-    """``gym.make(env_id)`` for DQN: a ``ValueError`` of one line naming ``model.env_id`` (the config's ``env.id``)
-    when gymnasium cannot make it, its action space is not ``Discrete`` from 0 (a DQN picks the action of the largest
-    Q-value, by index) or its observation space is not a ``Box``."""
+    """``gym.make(env_id)`` for DQN (an ``ALE/`` game wrapped as CleanRL wraps it, ``recipes/atari.py``): a
+    ``ValueError`` of one line naming ``model.env_id`` (the config's ``env.id``) when gymnasium cannot make it, its
+    action space is not ``Discrete`` from 0 (a DQN picks the action of the largest Q-value, by index) or its
+    observation space is not a ``Box``."""
     where = f"model.env_id={env_id} (env.id)"
+    if is_atari(env_id) and importlib.util.find_spec("ale_py") is None:
+        raise ValueError(f"{where} needs ale-py, which plays the Atari games: pip install -e '.[atari]'")
     try:
-        env = gym.make(env_id)
+        env = make_atari_env(env_id) if is_atari(env_id) else gym.make(env_id)
     except (gym.error.Error, ModuleNotFoundError) as err:
         said = " ".join(str(err).split())
         raise ValueError(f"{where} cannot be made: {said.rstrip('.')}; try {SUGGESTED_ENVS} ({LISTING})") from err

@@ -410,10 +410,18 @@ def _filter_docstring(text: str, dropped: set[str]) -> str:
 def _pyproject(root: Path, name: str, recipe: str, imports: set[str]) -> tuple[str, list[str], list[str], list[str]]:
     """Ours with a new name and description, and only the dependencies the copied code imports."""
     text = (root / "pyproject.toml").read_text()
-    # A starter has no docs site: no `docs` extra, and no other extra that pulls ours in.
-    ours = re.escape(re.search(r'^name = "(.*)"$', text, re.M)[1])
-    text = re.sub(rf'^docs = \[.*\]\n|"{ours}\[docs\]",\s*', "", text, flags=re.M)
-    text = re.sub(r"^(# .*\n)?bench = \[.*\]\n", "", text, flags=re.M)  # nor our benchmarks' peers
+    # A starter has no docs site: no `docs` extra; nor our benchmarks' peers; nor the Atari games, unless its code
+    # plays them. The extras it keeps that ours name itself (`copy-correct[atari]`) name the starter instead.
+    ours = re.search(r'^name = "(.*)"$', text, re.M)[1]
+    dropped_extras = ["docs", "bench"] + ([] if "ale_py" in imports else ["atari"])
+    for extra in dropped_extras:
+        text = re.sub(rf"^(# .*\n)*{extra} = \[.*\]\n", "", text, flags=re.M)
+
+    def own_extras(match: re.Match[str]) -> str:
+        kept = [extra for extra in match[1].split(",") if extra not in dropped_extras]
+        return f'"{name}[{",".join(kept)}]", ' if kept else ""
+
+    text = re.sub(rf'"{re.escape(ours)}\[([\w,]+)\]",\s*', own_extras, text)
     providers = packages_distributions()
     needed = {_dist_key(d) for top in imports for d in providers.get(top, [top])}
     block = re.search(r"^dependencies = \[\n(.*?)^\]", text, re.M | re.S)

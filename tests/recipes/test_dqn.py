@@ -1,9 +1,11 @@
 """Recipe `dqn`: the target network stays frozen and current through real training; a short run writes
 its outputs; another environment is one override (``env.id=``) and one that a DQN cannot act in is refused in one
-line; the default run solves CartPole and the stated Acrobot settings solve Acrobot (slow)."""
+line; the Atari configuration plays Breakout into a frame replay with the Nature network (a short run: slow); the
+default run solves CartPole and the stated Acrobot settings solve Acrobot (slow)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -11,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from copy_correct import CheckpointMismatch, make_target
+from copy_correct import CheckpointMismatch, FrameReplayBuffer, make_target
 from copy_correct.probes import MemoryProbe, storage_key
+from recipes.atari import NatureQNetwork
 from recipes.build import build
 from recipes.dqn import DQN, QNetwork, plot_returns
 from tests.conftest import QUIET, compose_config, run_train, warning_lines
@@ -246,3 +249,41 @@ def test_the_stated_acrobot_settings_solve_it_within_60k_steps(tmp_path: Path) -
     print(f"Acrobot seed 0: best eval return {metrics['eval/best_return']}, solved at {metrics['eval/solved_at_step']}")
     assert metrics["eval/best_return"] >= -100
     assert metrics["eval/solved_at_step"] <= 60_000
+
+
+NEEDS_ALE = pytest.mark.skipif(importlib.util.find_spec("ale_py") is None, reason="the atari extra (ale-py)")
+# The Atari configuration, small: a short run that learns, evaluates and checkpoints (its replay included).
+ATARI = [
+    "+dqn=atari", "model.total_env_steps=400", "model.learning_starts=100", "model.buffer_size=1000",
+    "model.eval_every=400", "model.eval_episodes=1", "callbacks.model_checkpoint.every_n_train_steps=25",
+    "callbacks.last_checkpoint.every_n_train_steps=25", "trainer.log_every_n_steps=1",
+]  # fmt: skip
+
+
+@NEEDS_ALE
+def test_the_atari_configuration_plays_breakout_into_a_frame_replay_with_the_nature_network(tmp_path: Path) -> None:
+    """CleanRL's dqn_atari.py settings: uint8 stacks of 4 84x84 frames, each frame kept once; a million transitions
+    would take 7.1 GB, where the whole-stack buffer of the other environments takes 56 GB."""
+    model = build(compose_config("+recipe=dqn", "+dqn=atari", "model.buffer_size=20000", output_dir=tmp_path))[1]
+    assert model.env.observation_space.shape == (4, 84, 84) and model.env.observation_space.dtype == np.uint8
+    assert isinstance(model.q, NatureQNetwork) and isinstance(model.buffer, FrameReplayBuffer)
+    assert (model.hparams.lr, model.hparams.batch_size, model.hparams.train_freq) == (1e-4, 32, 4)
+    assert model.hparams.max_grad_norm is None and model.hparams.target_update_every * 4 == 1000
+    for _ in range(2000):
+        model.collect_one_step()
+    assert model.buffer.nbytes / model.buffer.capacity < 7_100  # a frame and 23 bytes a transition
+    batch = model.buffer.sample(32)
+    assert batch["obs"].shape == (32, 4, 84, 84) and batch["obs"].dtype == torch.uint8
+    assert model.td_loss(batch).grad_fn is not None
+
+
+@NEEDS_ALE
+@pytest.mark.slow
+def test_a_short_atari_run_learns_evaluates_and_checkpoints(tmp_path: Path) -> None:
+    result = run_train("+recipe=dqn", *QUIET, *ATARI, f"hydra.run.dir={tmp_path}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert warning_lines(result.stderr) == []
+    metrics = json.loads((tmp_path / "summary.json").read_text())["metrics"]
+    assert metrics["env_steps"] == 400 and "eval/return" in metrics and metrics["train/td_loss"] >= 0
+    checkpoint = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    assert checkpoint["replay_buffer"]["frames"].shape[-2:] == (84, 84)

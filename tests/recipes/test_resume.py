@@ -8,6 +8,7 @@ so each piece is needed and an equality here is not an empty one."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import signal
@@ -34,29 +35,44 @@ RUNS = {
         "model.gradient_steps=16", "model.target_update_every=16", "model.buffer_size=1500",
     ],  # 8 rounds, last.ckpt after each round that trained (every gradient_steps); the buffer wraps around
     "gan": ["trainer.max_epochs=4", "trainer.check_val_every_n_epoch=1", "model.judge_epochs=2"],
+    # Breakout as CleanRL trains it, small: lives lost (each an episode) before the checkpoint, the game going on
+    "atari": [
+        "+dqn=atari", "model.total_env_steps=600", "model.learning_starts=100", "model.buffer_size=1000",
+        "model.eval_every=600", "model.eval_episodes=1", "model.target_update_every=10",
+        "callbacks.model_checkpoint.every_n_train_steps=40", "callbacks.last_checkpoint.every_n_train_steps=40",
+        "trainer.log_every_n_steps=1",
+    ],
 }  # fmt: skip
+RECIPE = {"atari": "dqn"}  # a configuration of another recipe
 # What each recipe's checkpoint must hold, so that comparing it is not comparing nothing.
 MUST_HOLD = {
     "ema": ["callbacks/EMACallback{'decay': 0.995}/ema/shadow/net.body.1.weight", "DigitsDataModule/shuffle"],
     "dqn": ["state_dict/target.net.0.weight", "replay_buffer/obs", "dqn/rng", "dqn/episode_actions"],
     "gan": ["generator_ema/shadow/net.0.weight", "state_dict/judge.net.head.weight", "DigitsDataModule/shuffle"],
+    "atari": ["state_dict/target.net.0.weight", "replay_buffer/frames", "dqn/rng", "dqn/episode_actions"],
 }
 ALWAYS = ["state_dict", "optimizer_states/0/state", "callbacks/ResumeState/rng/0/torch", "loops"]
-STEPS = {"ema": 4 * 90, "dqn": 7 * 16, "gan": 4 * 23 * 2}  # optimizer steps of the whole run
+STEPS = {"ema": 4 * 90, "dqn": 7 * 16, "gan": 4 * 23 * 2, "atari": 120}  # optimizer steps at the last checkpoint
 WITHHELD = {  # the control: resuming without this leaves the run elsewhere
     "ema": (DigitsDataModule, "load_state_dict"),  # the shuffle generator: epochs would repeat the first orders
     "dqn": (DQN, "replay_episode"),  # the episode in progress: the environment would start a new one
     "gan": (ResumeState, "on_train_start"),  # the global generators: other latents, other dropout masks
+    "atari": (DQN, "replay_episode"),  # the game in progress, lives lost and all
 }
 
 
 def train_command(recipe: str, run_dir: Path, *extra: str) -> list[str]:
-    return [f"+recipe={recipe}", "seed=0", ON_CPU, *QUIET, *RUNS[recipe], f"hydra.run.dir={run_dir}", *extra]
+    return [
+        f"+recipe={RECIPE.get(recipe, recipe)}", "seed=0", ON_CPU, *QUIET, *RUNS[recipe], f"hydra.run.dir={run_dir}",
+        *extra,
+    ]  # fmt: skip
 
 
 def resume_in_process(recipe: str, checkpoint: Path, output_dir: Path) -> Path:
     """What ``train.py ... ckpt_path=...`` does, in this process (so that a test can patch it)."""
-    cfg = compose_config(f"+recipe={recipe}", "seed=0", ON_CPU, *QUIET, *RUNS[recipe], output_dir=output_dir)
+    cfg = compose_config(
+        f"+recipe={RECIPE.get(recipe, recipe)}", "seed=0", ON_CPU, *QUIET, *RUNS[recipe], output_dir=output_dir
+    )
     trainer, model, datamodule = build(cfg)
     trainer.fit(model, datamodule=datamodule, ckpt_path=checkpoint, weights_only=True)
     return output_dir / "checkpoints" / "last.ckpt"
@@ -115,7 +131,12 @@ def present(checkpoint: Mapping[str, Any], path: str) -> bool:
     return not isinstance(node, (Mapping, list, tuple, torch.Tensor)) or len(node) > 0
 
 
-@pytest.mark.parametrize("recipe", list(RUNS))
+NEEDS_ALE = pytest.mark.skipif(importlib.util.find_spec("ale_py") is None, reason="the atari extra (ale-py)")
+
+
+@pytest.mark.parametrize(
+    "recipe", [r if r != "atari" else pytest.param(r, marks=[pytest.mark.slow, NEEDS_ALE]) for r in RUNS]
+)
 def test_killed_run_resumed_from_its_directory_ends_bit_for_bit_as_the_uninterrupted_one(
     recipe: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -130,6 +151,8 @@ def test_killed_run_resumed_from_its_directory_ends_bit_for_bit_as_the_uninterru
     result = run_train(*train_command(recipe, resumed, f"ckpt_path={killed}"))
     assert result.returncode == 0, result.stderr[-3000:]
 
+    if recipe == "atari":  # the game in progress had lost lives before the checkpoint: its replay repeats them
+        assert (at_kill["dqn"]["episode_actions"] == -1).any()
     final, final_resumed = load(full / "checkpoints" / "last.ckpt"), load(resumed / "checkpoints" / "last.ckpt")
     assert final["global_step"] == STEPS[recipe] and 0 < at_kill["global_step"] < STEPS[recipe]
     for path in ALWAYS + MUST_HOLD[recipe]:

@@ -29,7 +29,9 @@ PEERS = {  # the rows each benchmark has for a peer library: (import name, row t
     "benchmarks.ema": [("timm", "timm "), ("diffusers", "diffusers "), ("ema_pytorch", "ema-pytorch ")],
     "benchmarks.target": [("stable_baselines3", "stable-baselines3 "), ("torchrl", "torchrl ")],
     "benchmarks.replay": [("stable_baselines3", "stable-baselines3 "), ("torchrl", "torchrl ")],
+    "benchmarks.frame_replay": [("stable_baselines3", "stable-baselines3 "), ("torchrl", "torchrl ")],
 }
+NEEDS_ALE = pytest.mark.skipif(importlib.util.find_spec("ale_py") is None, reason="the atari extra (ale-py)")
 
 
 @pytest.mark.parametrize(("module", "key", "first_row", "ratio"), [
@@ -39,6 +41,7 @@ PEERS = {  # the rows each benchmark has for a peer library: (import name, row t
     ("benchmarks.loading", "loading-cpu", "| DeviceDataLoader (cpu) |", "time / bare loader"),
     ("benchmarks.sharded", "sharded-cpu", "| copy_correct.EMA (sharded) | 2 |", "each rank alone (/ N=1)"),
     ("benchmarks.replay", "replay-cpu", "| 10 adds + sample 128 (CleanRL's cadence) |", "copy_correct.ReplayBuffer µs"),
+    pytest.param("benchmarks.frame_replay", "frame-replay-cpu", "| ALE/Pong-v5 | ", "| sample 32 |", marks=NEEDS_ALE),
 ])  # fmt: skip
 def test_benchmark_writes_its_section_beside_the_others_with_a_row_per_peer(
     module: str, key: str, first_row: str, ratio: str, tmp_path: Path

@@ -1,0 +1,391 @@
+"""Benchmark ``FrameReplayBuffer`` on real Atari frames against the buffers that store whole stacks: ours
+(``ReplayBuffer``), stable-baselines3's ``ReplayBuffer`` (default, and ``optimize_memory_usage=True``) and TorchRL's;
+bytes and resident memory per transition, a million transitions built and filled, and the time of CleanRL's calls.
+
+    pip install -e ".[atari,bench]"                       # ale-py (the games, offline) and the peers
+    python -m benchmarks.frame_replay                     # Pong and Breakout frames; a 1M-transition buffer filled
+    python -m benchmarks.frame_replay --quick --output /tmp/b.md   # smoke run: few frames, small buffers
+
+The frames: ``ALE/Pong-v5`` and ``ALE/Breakout-v5`` played by a random policy, wrapped as CleanRL's ``dqn_atari.py``
+wraps them (``recipes/atari.py``: no-op starts, 4 frames skipped with a max of the last 2, a lost life ends the
+episode, FIRE at reset, clipped rewards, 84x84 grey, 4 frames stacked), recorded once. Every buffer is then filled
+with the same transitions, in the order the game gave them, one ``add`` per step as CleanRL's loop calls it
+(stable-baselines3's with arrays of one env and ``handle_timeout_termination=False``, as ``dqn_atari.py`` builds it;
+TorchRL's with the ``TensorDict`` its environments hand over, built before the timing).
+
+Bytes per transition are each buffer's storage over the transitions it holds when full (ours: a frame a transition,
+a frame more per episode, and 23 bytes of action, reward, flags and episode start). Resident memory is the growth of
+this process's resident set (``VmRSS``) from building a buffer to having filled it: what the operating system had to
+find. Times are medians over interleaved rounds, each peer's in a pair with ours (our column: the median over the
+pairs); a ratio is a peer's time over ours in its pair, above 1: ours is faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import logging
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any, NoReturn
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from benchmarks.peers import Missing, label, load
+from benchmarks.report import measured_on, median_ms, write_section
+from copy_correct import FrameReplayBuffer, ReplayBuffer
+
+ROOT = Path(__file__).resolve().parents[1]
+GAMES = ("ALE/Pong-v5", "ALE/Breakout-v5")
+OURS, WHOLE, SB3, SB3_OPT, TORCHRL = "ours", "whole", "sb3", "sb3-opt", "torchrl"
+GB = 1e9
+
+
+@dataclass
+class Recording:
+    """A game's transitions in the order it gave them, ending with an episode's end (so a buffer fed them in a
+    cycle sees each episode whole): stacked observations, actions, rewards and flags, and each step's data as each
+    library's users hand it over."""
+
+    game: str
+    obs: list[np.ndarray] = field(default_factory=list)
+    next_obs: list[np.ndarray] = field(default_factory=list)
+    action: list[int] = field(default_factory=list)
+    reward: list[float] = field(default_factory=list)
+    terminated: list[bool] = field(default_factory=list)
+    truncated: list[bool] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.obs)
+
+    @property
+    def episodes(self) -> int:
+        return int(np.sum(np.logical_or(self.terminated, self.truncated)))
+
+
+def record(game: str, steps: int, seed: int) -> Recording | Missing:
+    """``steps`` or more steps of ``game`` by a uniformly random policy, up to the end of an episode."""
+    ale = load("ale_py", "ale-py")
+    if isinstance(ale, Missing):
+        return Missing(f"{ale} (the atari extra: pip install -e '.[atari]')")
+    from recipes.atari import make_atari_env
+
+    env = make_atari_env(game)
+    rng = np.random.default_rng(seed)
+    rec = Recording(game)
+    obs, _ = env.reset(seed=seed)
+    with tqdm(total=steps, desc=f"playing {game}", leave=False, file=sys.stderr) as bar:
+        while len(rec) < steps or not (rec.terminated[-1] or rec.truncated[-1]):
+            action = int(rng.integers(env.action_space.n))
+            next_obs, reward, terminated, truncated, _ = env.step(action)
+            for name, value in zip(
+                ("obs", "next_obs", "action", "reward", "terminated", "truncated"),
+                (obs, next_obs, action, float(reward), bool(terminated), bool(truncated)),
+                strict=True,
+            ):
+                getattr(rec, name).append(value)
+            obs = env.reset()[0] if terminated or truncated else next_obs
+            bar.update(1)
+    env.close()
+    return rec
+
+
+class Contender:
+    """A buffer fed a recording's steps in a cycle, as its users call it, and how much memory it holds."""
+
+    def __init__(self, add: Callable[[int], object], sample: Callable[[int], object], stored: Callable[[], int],
+                 nbytes: Callable[[], int]) -> None:  # fmt: skip
+        self.add_step, self.sample, self.stored, self.nbytes = add, sample, stored, nbytes
+        self.cursor = 0
+        self.rss_growth = 0
+
+    def add(self, steps: int) -> None:
+        self.add_step(self.cursor % steps)
+        self.cursor += 1
+
+
+def space(rec: Recording) -> Any:
+    import gymnasium as gym
+
+    return gym.spaces.Box(0, 255, rec.obs[0].shape, np.uint8)
+
+
+def ours(rec: Recording, capacity: int) -> Contender:
+    buffer = FrameReplayBuffer(capacity, space(rec), ())
+    steps = list(zip(rec.obs, rec.action, rec.reward, rec.next_obs, rec.terminated, rec.truncated, strict=True))
+    return Contender(lambda i: buffer.add(*steps[i]), buffer.sample, lambda: buffer.stored, lambda: buffer.nbytes)
+
+
+def whole(rec: Recording, capacity: int) -> Contender:
+    buffer = ReplayBuffer(capacity, space(rec), ())
+    steps = list(zip(rec.obs, rec.action, rec.reward, rec.next_obs, rec.terminated, rec.truncated, strict=True))
+    return Contender(lambda i: buffer.add(*steps[i]), buffer.sample, lambda: buffer.size, lambda: buffer.nbytes)
+
+
+def sb3(rec: Recording, capacity: int, optimize: bool) -> Contender | Missing:
+    buffers = load("stable_baselines3.common.buffers", "stable-baselines3")
+    if isinstance(buffers, Missing):
+        return buffers
+    import gymnasium as gym
+
+    buffer = buffers.ReplayBuffer(capacity, space(rec), gym.spaces.Discrete(18), device="cpu", n_envs=1,
+                                  optimize_memory_usage=optimize, handle_timeout_termination=False)  # fmt: skip
+    steps = [
+        (rec.obs[i][None], rec.next_obs[i][None], np.array([rec.action[i]]), np.array([rec.reward[i]]),
+         np.array([rec.terminated[i]]), [{}])
+        for i in range(len(rec))
+    ]  # fmt: skip
+    arrays = ("observations", "actions", "rewards", "dones", "timeouts") + (() if optimize else ("next_observations",))
+    return Contender(
+        lambda i: buffer.add(*steps[i]),
+        buffer.sample,
+        lambda: buffer.buffer_size if buffer.full else buffer.pos,
+        lambda: sum(getattr(buffer, name).nbytes for name in arrays),
+    )
+
+
+def torchrl(rec: Recording, capacity: int) -> Contender | Missing:
+    data = load("torchrl.data", "torchrl")
+    if isinstance(data, Missing):
+        return data
+    from tensordict import TensorDict
+
+    logging.getLogger("torchrl").setLevel(logging.WARNING)
+    buffer = data.ReplayBuffer(storage=data.LazyTensorStorage(capacity))
+    steps = [
+        TensorDict({
+            "observation": torch.from_numpy(rec.obs[i]), "action": torch.tensor(rec.action[i]),
+            "next": {"observation": torch.from_numpy(rec.next_obs[i]), "reward": torch.tensor(rec.reward[i]),
+                     "terminated": torch.tensor(rec.terminated[i]), "truncated": torch.tensor(rec.truncated[i])},
+        })
+        for i in range(len(rec))
+    ]  # fmt: skip
+    return Contender(
+        lambda i: buffer.add(steps[i]),
+        buffer.sample,
+        lambda: len(buffer),
+        lambda: sum(t.nbytes for t in buffer.storage._storage.values(True, True)),
+    )
+
+
+def resident() -> int:
+    """This process's resident memory in bytes (``VmRSS``)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def machine_memory() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def filled(make: Callable[[], Contender | Missing], rec: Recording, transitions: int, name: str) -> Contender | Missing:
+    """A contender built and fed ``transitions`` steps; its resident-memory growth recorded."""
+    gc.collect()
+    before = resident()
+    made = make()
+    if isinstance(made, Missing):
+        return made
+    for _ in tqdm(range(transitions), desc=f"filling {name}", leave=False, file=sys.stderr):
+        made.add(len(rec))
+    made.rss_growth = resident() - before
+    return made
+
+
+NAMES = {
+    OURS: "copy_correct.FrameReplayBuffer",
+    WHOLE: "copy_correct.ReplayBuffer (whole stacks)",
+    SB3: "stable-baselines3 ReplayBuffer",
+    SB3_OPT: "stable-baselines3 ReplayBuffer(optimize_memory_usage=True)",
+    TORCHRL: "torchrl ReplayBuffer(LazyTensorStorage)",
+}
+
+
+def names() -> dict[str, str]:
+    return {
+        OURS: NAMES[OURS], WHOLE: NAMES[WHOLE],
+        SB3: label("stable-baselines3", "ReplayBuffer"),
+        SB3_OPT: label("stable-baselines3", "ReplayBuffer(optimize_memory_usage=True)"),
+        TORCHRL: label("torchrl", "ReplayBuffer(LazyTensorStorage)"),
+    }  # fmt: skip
+
+
+def makers(rec: Recording, capacity: int) -> dict[str, Callable[[], Contender | Missing]]:
+    return {
+        OURS: partial(ours, rec, capacity), WHOLE: partial(whole, rec, capacity),
+        SB3: partial(sb3, rec, capacity, False), SB3_OPT: partial(sb3, rec, capacity, True),
+        TORCHRL: partial(torchrl, rec, capacity),
+    }  # fmt: skip
+
+
+def memory_table(recordings: list[Recording], capacity: int) -> tuple[str, dict[str, float], dict[str, str]]:
+    """Bytes and resident memory per transition of every contender, full, for each game; the bytes per transition
+    of the last game, and the peers not run."""
+    lines = [
+        f"**Memory per transition**: each buffer built for {capacity:,} transitions and fed more than that "
+        "(every page of it used), one game's frames at a time",
+        "",
+        "| game | episodes' mean length | buffer | transitions held | bytes per transition | resident memory per "
+        "transition | / ours |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
+    per_transition: dict[str, float] = {}
+    not_run: dict[str, str] = {}
+    shown = names()
+    for rec in recordings:
+        mean = len(rec) / max(rec.episodes, 1)
+        rows: dict[str, tuple[int, float, float]] = {}
+        for name, make in makers(rec, capacity).items():
+            made = filled(make, rec, capacity + capacity // 10, f"{name} ({rec.game})")
+            if isinstance(made, Missing):
+                not_run[shown[name]] = made
+                continue
+            held = made.stored()
+            rows[name] = (held, made.nbytes() / held, made.rss_growth / held)
+            del made
+            gc.collect()
+        for name, (held, nbytes, rss) in rows.items():
+            ratio = "" if name == OURS else f"{nbytes / rows[OURS][1]:.2f}x"
+            lines.append(
+                f"| {rec.game} | {mean:,.0f} | {shown[name]} | {held:,} | {nbytes:,.0f} | {rss:,.0f} | {ratio} |"
+            )
+            per_transition[name] = nbytes
+    return "\n".join(lines), per_transition, not_run
+
+
+def million(recordings: list[Recording], transitions: int, per_transition: dict[str, float]) -> str:
+    """Ours built with room for ``transitions`` and their episodes' first frames (2% more frames), fed every
+    recording in turn until its rings have wrapped (5% more), its resident memory and time; the others' needs at
+    their measured bytes per transition, beside this machine's memory."""
+    steps = [(rec, i) for rec in recordings for i in range(len(rec))]
+    gc.collect()
+    before = resident()
+    start = time.perf_counter()
+    buffer = FrameReplayBuffer(transitions + transitions // 50, space(recordings[0]), ())
+    fed = transitions + transitions // 20
+    for n in tqdm(range(fed), desc=f"filling {transitions:,}", leave=False, file=sys.stderr):
+        rec, i = steps[n % len(steps)]
+        buffer.add(rec.obs[i], rec.action[i], rec.reward[i], rec.next_obs[i], rec.terminated[i], rec.truncated[i])
+    seconds = time.perf_counter() - start
+    grown = resident() - before
+    sample_ms = median_ms({"sample 32": partial(buffer.sample, 32)}, torch.device("cpu"), 1.0)["sample 32"]
+    memory = machine_memory()
+    lines = [
+        f"**{transitions:,} transitions**, Pong's and Breakout's in turn, on this machine ({memory / GB:.1f} GB of "
+        f"memory): ours built for {buffer.capacity:,} frames, fed {fed:,} transitions (the rings wrap) in "
+        f"{seconds:.0f} s ({seconds / fed * 1e6:.1f} µs an add), holding {buffer.stored:,}, then sampled "
+        f"({sample_ms * 1e3:.0f} µs for 32)",
+        "",
+        "| buffer | bytes per transition | storage for these transitions | resident memory | fits this machine |",
+        "| --- | ---: | ---: | ---: | --- |",
+        f"| {names()[OURS]} | {buffer.nbytes / buffer.stored:,.0f} | {buffer.nbytes / GB:.2f} GB | {grown / GB:.2f} "
+        "GB (measured) | yes: built and filled |",
+    ]
+    for name in (WHOLE, SB3, SB3_OPT, TORCHRL):
+        if name in per_transition:
+            need = per_transition[name] * transitions
+            verdict = "no" if need > memory else "yes"
+            lines.append(
+                f"| {names()[name]} | {per_transition[name]:,.0f} | {need / GB:.1f} GB | not built | {verdict}: "
+                f"{need / memory:.1f}x this machine's memory |"
+            )
+    return "\n".join(lines)
+
+
+def timing_table(rec: Recording, capacity: int, budget: float) -> tuple[str, dict[str, str]]:
+    """CleanRL's calls on every contender, each full with ``rec``'s transitions."""
+    contenders: dict[str, Contender] = {}
+    not_run: dict[str, str] = {}
+    shown = names()
+    for name, make in makers(rec, capacity).items():
+        made = filled(make, rec, capacity, f"{name} (timing)")
+        if isinstance(made, Missing):
+            not_run[shown[name]] = made
+        else:
+            contenders[name] = made
+    steps = len(rec)
+
+    def cadence(c: Contender) -> None:  # dqn_atari.py: a sample of 32 every 4 steps
+        for _ in range(4):
+            c.add(steps)
+        c.sample(32)
+
+    ops: dict[str, Callable[[Contender], object]] = {
+        "add one transition": lambda c: c.add(steps),
+        "4 adds + sample 32 (CleanRL's dqn_atari.py)": cadence,
+        "sample 32": lambda c: c.sample(32),
+    }
+    peers = [n for n in contenders if n != OURS]
+    lines = [
+        f"**CleanRL's calls**: {rec.game}'s frames, every buffer full ({capacity:,} transitions)",
+        "",
+        "| operation | " + " | ".join(f"{shown[n]} µs" + (f" | {shown[n]} / ours" if n in peers else "")
+                                     for n in contenders) + " |",
+        "| --- |" + " ---: |" * (len(contenders) + len(peers)),
+    ]  # fmt: skip
+    for op, call in tqdm(ops.items(), desc="timing", leave=False, file=sys.stderr):
+        # Each peer against ours alone, interleaved: a third buffer's traffic (TorchRL's sample moves four times the
+        # bytes) would otherwise fall between the pair's calls. Ours: the median of its times over the pairs.
+        pairs = {
+            peer: median_ms({n: partial(call, contenders[n]) for n in (OURS, peer)}, torch.device("cpu"), budget)
+            for peer in peers
+        }
+        us = {peer: pair[peer] * 1e3 for peer, pair in pairs.items()}
+        us[OURS] = statistics.median(pair[OURS] * 1e3 for pair in pairs.values()) if pairs else float("nan")
+        cells = [f"{us[n]:.1f}" + (f" | {pairs[n][n] / pairs[n][OURS]:.2f}x" if n in peers else "") for n in contenders]
+        lines.append(f"| {op} | " + " | ".join(cells) + " |")
+    return "\n".join(lines), not_run
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message}\n")  # one line, no usage block
+
+
+def main(argv: list[str]) -> int:
+    parser = _Parser(prog="python -m benchmarks.frame_replay", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="few frames and small buffers (smoke test)")
+    parser.add_argument("--budget", type=float, default=None, help="seconds of timing per row (default 4)")
+    parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    args = parser.parse_args(argv)
+    if args.budget is not None and not args.budget > 0:
+        parser.error(f"--budget must be > 0, got {args.budget:g}")
+    budget = args.budget if args.budget is not None else (0.3 if args.quick else 4.0)
+    steps, capacity, many = (400, 1_000, 5_000) if args.quick else (6_000, 50_000, 1_000_000)
+    recordings = [record(game, steps, seed) for seed, game in enumerate(GAMES)]
+    missing = [r for r in recordings if isinstance(r, Missing)]
+    if missing:
+        print(f"{parser.prog}: cannot play the games: {missing[0]}", file=sys.stderr)
+        return 2
+    played: list[Recording] = [r for r in recordings if isinstance(r, Recording)]
+    memory, per_transition, not_run = memory_table(played, capacity)
+    timing, more = timing_table(played[-1], capacity, budget)
+    tables = [memory, million(played, many, per_transition), timing]
+    tables += [f"Not run: {name}: {why}." for name, why in {**not_run, **more}.items()]
+    for text in tables:
+        print(text, end="\n\n", flush=True)
+    options = (" --quick" if args.quick else "") + (f" --budget {args.budget:g}" if args.budget is not None else "")
+    header = (
+        measured_on(torch.device("cpu"), f"python -m benchmarks.frame_replay{options}")
+        + " "
+        + " ".join(__doc__.split("\n\n")[2:4]).replace("\n", " ")
+    )
+    write_section(args.output, "frame-replay-cpu", "Frame-stacked replay on Atari frames (cpu)", header,
+                  "\n\n".join(tables))  # fmt: skip
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
