@@ -212,6 +212,9 @@ NAMES = {
 }
 
 
+SHORT = {WHOLE: "whole stacks", SB3: "stable-baselines3", SB3_OPT: "its optimize_memory_usage", TORCHRL: "torchrl"}
+
+
 def names() -> dict[str, str]:
     return {
         OURS: NAMES[OURS], WHOLE: NAMES[WHOLE],
@@ -230,37 +233,42 @@ def makers(rec: Recording, capacity: int) -> dict[str, Callable[[], Contender | 
 
 
 def memory_table(recordings: list[Recording], capacity: int) -> tuple[str, dict[str, float], dict[str, str]]:
-    """Bytes and resident memory per transition of every contender, full, for each game; the bytes per transition
-    of the last game, and the peers not run."""
-    lines = [
-        f"**Memory per transition**: each buffer built for {capacity:,} transitions and fed more than that "
-        "(every page of it used), one game's frames at a time",
-        "",
-        "| game | episodes' mean length | buffer | transitions held | bytes per transition | resident memory per "
-        "transition | / ours |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: |",
-    ]
-    per_transition: dict[str, float] = {}
+    """Bytes and resident memory per transition of every contender, full, for each game (a column group each); the
+    bytes per transition of the last game, and the peers not run."""
+    measured: dict[str, dict[str, tuple[int, float, float]]] = {}  # {game: {contender: (held, bytes, resident)}}
     not_run: dict[str, str] = {}
     shown = names()
     for rec in recordings:
-        mean = len(rec) / max(rec.episodes, 1)
-        rows: dict[str, tuple[int, float, float]] = {}
+        measured[rec.game] = {}
         for name, make in makers(rec, capacity).items():
             made = filled(make, rec, capacity + capacity // 10, f"{name} ({rec.game})")
             if isinstance(made, Missing):
                 not_run[shown[name]] = made
                 continue
             held = made.stored()
-            rows[name] = (held, made.nbytes() / held, made.rss_growth / held)
+            measured[rec.game][name] = (held, made.nbytes() / held, made.rss_growth / held)
             del made
             gc.collect()
-        for name, (held, nbytes, rss) in rows.items():
-            ratio = "" if name == OURS else f"{nbytes / rows[OURS][1]:.2f}x"
-            lines.append(
-                f"| {rec.game} | {mean:,.0f} | {shown[name]} | {held:,} | {nbytes:,.0f} | {rss:,.0f} | {ratio} |"
-            )
-            per_transition[name] = nbytes
+    games = {rec.game: rec.game.removeprefix("ALE/").removesuffix("-v5") for rec in recordings}
+    held = ", ".join(
+        f"{short} {measured[game][OURS][0]:,} (episodes of {len(rec) / max(rec.episodes, 1):,.0f} steps)"
+        for rec, (game, short) in zip(recordings, games.items(), strict=True)
+    )
+    lines = [
+        f"**Memory per transition**: each buffer built for {capacity:,} transitions and fed {capacity // 10:,} more, "
+        f"one game's frames at a time; ours holds {held}, a frame going to each episode's start",
+        "",
+        "| buffer | " + " | ".join(f"{s}: bytes per transition | {s}: resident per transition | {s}: size / ours"
+                                    for s in games.values()) + " |",
+        "| --- |" + " ---: | ---: | ---: |" * len(games),
+    ]  # fmt: skip
+    for name in measured[recordings[0].game]:
+        cells = []
+        for game in games:
+            _, nbytes, rss = measured[game][name]
+            cells.append(f"{nbytes:,.0f} | {rss:,.0f} | {nbytes / measured[game][OURS][1]:.2f}x")
+        lines.append(f"| {shown[name]} | " + " | ".join(cells) + " |")
+    per_transition = {name: values[1] for name, values in measured[recordings[-1].game].items()}
     return "\n".join(lines), per_transition, not_run
 
 
@@ -330,7 +338,7 @@ def timing_table(rec: Recording, capacity: int, budget: float) -> tuple[str, dic
     lines = [
         f"**CleanRL's calls**: {rec.game}'s frames, every buffer full ({capacity:,} transitions)",
         "",
-        "| operation | " + " | ".join(f"{shown[n]} µs" + (f" | {shown[n]} / ours" if n in peers else "")
+        "| operation | " + " | ".join(f"{shown[n]} µs" + (f" | {SHORT[n]} / ours" if n in peers else "")
                                      for n in contenders) + " |",
         "| --- |" + " ---: |" * (len(contenders) + len(peers)),
     ]  # fmt: skip
