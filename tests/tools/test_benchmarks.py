@@ -41,7 +41,8 @@ NEEDS_ALE = pytest.mark.skipif(importlib.util.find_spec("ale_py") is None, reaso
     ("benchmarks.loading", "loading-cpu", "| DeviceDataLoader (cpu) |", "time / bare loader"),
     ("benchmarks.sharded", "sharded-cpu", "| copy_correct.EMA (sharded) | 2 |", "each rank alone (/ N=1)"),
     ("benchmarks.replay", "replay-cpu", "| 10 adds + sample 128 (CleanRL's cadence) |", "copy_correct.ReplayBuffer µs"),
-    pytest.param("benchmarks.frame_replay", "frame-replay-cpu", "| ALE/Pong-v5 | ", "| sample 32 |", marks=NEEDS_ALE),
+    pytest.param("benchmarks.frame_replay", "frame-replay-cpu", "| copy_correct.FrameReplayBuffer | ",
+                 "Pong: size / ours", marks=NEEDS_ALE),
 ])  # fmt: skip
 def test_benchmark_writes_its_section_beside_the_others_with_a_row_per_peer(
     module: str, key: str, first_row: str, ratio: str, tmp_path: Path
