@@ -21,7 +21,7 @@ Episodes and vector envs, by ``autoreset_mode`` (``envs.metadata["autoreset_mode
   observation to the first, the action ignored) is no transition. The buffer knows which env ended and stores no row
   for it; that row's ``next_obs`` starts the env's next episode.
 * ``"same_step"``: an env that ends resets in the same step and ``next_obs`` is already the next episode's first
-  observation. Pass the real last one: ``final_obs=infos["final_obs"]`` (or ``next_obs`` with those rows replaced,
+  observation. Pass the real last one: ``final_obs=infos.get("final_obs")`` (or ``next_obs`` with those rows replaced,
   as CleanRL does). The next ``obs`` of that env starts its next episode.
 * ``"disabled"`` (and a single env, ``num_envs=None``, reset by hand): the next ``obs`` of an env whose episode
   ended starts its next episode.
@@ -54,21 +54,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from copy_correct._autoreset import AUTORESET_MODES, parse_mode
 from copy_correct.replay import _F32_MAX, _F32_MIN, _SOURCE_DTYPES, Space, _layout, _refusal
 
 __all__ = ["AUTORESET_MODES", "FrameReplayBuffer"]
 
-AUTORESET_MODES = ("next_step", "same_step", "disabled")
 PADDINGS = ("reset", "zero")
-_MODE_NAMES = {"nextstep": "next_step", "samestep": "same_step", "disabled": "disabled"}
-
-
-def _mode(value: Any) -> str:
-    """An autoreset mode from its name in any spelling, or gymnasium's ``AutoresetMode`` (by its value)."""
-    name = str(getattr(value, "value", value)).replace("_", "").replace("-", "").lower()
-    if name not in _MODE_NAMES:
-        raise ValueError(f"autoreset_mode must be one of {', '.join(AUTORESET_MODES)} (or gymnasium's AutoresetMode)")
-    return _MODE_NAMES[name]
 
 
 class FrameReplayBuffer:
@@ -111,9 +102,7 @@ class FrameReplayBuffer:
                 "autoreset_mode is needed with num_envs: pass envs.metadata['autoreset_mode'] "
                 f"(one of {', '.join(AUTORESET_MODES)}), so that no reset step is stored as a transition"
             )
-        self.autoreset_mode = "disabled" if autoreset_mode is None else _mode(autoreset_mode)
-        if num_envs is None and self.autoreset_mode != "disabled":
-            raise ValueError("a single env (num_envs=None) is reset by hand: autoreset_mode must be None or disabled")
+        self.autoreset_mode = parse_mode(autoreset_mode, num_envs)
         if padding not in PADDINGS:
             raise ValueError(f"padding must be one of {', '.join(PADDINGS)}, got {padding!r}")
         obs_shape, frame_dtype = _layout("obs", obs, None, np.uint8)
@@ -208,7 +197,7 @@ class FrameReplayBuffer:
     ) -> None:
         """Store one transition per env (``num_envs=N``: each field with a leading dimension N): the newest frame of
         ``next_obs``, and of ``obs`` where it starts an episode. In ``"next_step"`` mode an env's reset step is not
-        stored. ``final_obs`` (``infos["final_obs"]``, ``"same_step"`` mode): the real last observations, taken in
+        stored. ``final_obs`` (``infos.get("final_obs")``, ``"same_step"`` mode): the real last observations, taken in
         place of ``next_obs`` for the envs whose episode ended. Checked before anything is written."""
         if self.num_envs is None and final_obs is None:
             self._add_one(obs, action, reward, next_obs, terminated, truncated)

@@ -4,8 +4,26 @@
     buffer.add(obs, action, reward, next_obs, terminated, truncated)             # what env.step gave, and the action
     batch = buffer.sample(64)                                                    # {"obs": tensor, "action": ..., ...}
 
-    frames = ReplayBuffer(1_000_000, envs.single_observation_space, envs.single_action_space, num_envs=8)
-    frames.add(obs, actions, rewards, next_obs, terminations, truncations)       # 8 rows at once; uint8 stays uint8
+    frames = ReplayBuffer(1_000_000, envs.single_observation_space, envs.single_action_space, num_envs=8,
+                          autoreset_mode=envs.metadata["autoreset_mode"])
+    frames.add(obs, actions, rewards, next_obs, terminations, truncations,
+               final_obs=infos.get("final_obs"))                                # up to 8 rows; uint8 stays uint8
+
+Vector envs, by ``autoreset_mode`` (``envs.metadata["autoreset_mode"]``, or its name; ``copy_correct._autoreset``):
+
+* ``"next_step"`` (gymnasium 1.x's default): the step after an episode ends is the env's reset step; its row (the
+  last observation to the first of the next episode, the action ignored) is no transition. The buffer remembers which
+  envs' rows ended an episode at the last ``add`` and does not write their next rows: that ``add`` writes fewer rows.
+  ``next_obs`` of an episode's last step is already its real last observation.
+* ``"same_step"``: an env that ends resets in the same step, so its ``next_obs`` is the next episode's first
+  observation. Pass the real last ones, ``final_obs=infos.get("final_obs")`` (gymnasium's object array, ``None`` for
+  the envs that did not end; the key is there only at a step where one did), or ``next_obs`` with those rows replaced.
+* ``"disabled"``, and ``None`` (the default): every row is a transition; the caller resets ended envs by hand. A
+  single env (``num_envs=None``) is reset by hand: ``None`` or ``"disabled"``. With a vector env that autoresets,
+  ``None`` stores its reset steps: pass ``envs.metadata["autoreset_mode"]``.
+
+In every mode ``final_obs``, where given, is taken in place of ``next_obs`` for the rows whose episode ended
+(``terminated`` or ``truncated``), so each episode's real last transition is stored with its flags as given.
 
 Copy contract:
 
@@ -13,33 +31,40 @@ Copy contract:
   byte per pixel): one block of ``nbytes`` bytes of which ``obs``, ``action``, ``reward``, ``next_obs``,
   ``terminated`` and ``truncated`` are views, so the six tensors share one version counter. On the CPU the block is
   numpy memory and the tensors are ``torch.from_numpy`` views of it; on CUDA it is a tensor on the device.
-* ``add`` copies one transition (with ``num_envs=N``, N of them, wrapping around the ring) into the next rows:
-  numpy arrays, tensors on any device, Python and numpy numbers. Every write is outside autograd: a tensor that
-  requires grad is read through ``detach()``, so the buffer never holds a graph and no sample can backpropagate into
-  the network that made an action. The caller's arrays are never kept: later changes to them cannot reach the
-  buffer. ``add`` allocates no storage, with two exceptions, both into a CPU buffer, that make a temporary: a tensor
-  on another device is copied to the host first, and a bfloat16 tensor is converted to float32 (numpy has no
-  bfloat16). On the CPU the writes are numpy's, which torch's probes (``CopyAudit``, ``MemoryProbe``) do not see;
+* ``add`` copies one transition (with ``num_envs=N``, N of them less the reset steps it skips, wrapping around the
+  ring) into the next rows, one after another, so the filled rows stay contiguous: numpy arrays, tensors on any
+  device, Python and numpy numbers. Every write is outside autograd: a tensor that requires grad is read through
+  ``detach()``, so the buffer never holds a graph and no sample can backpropagate into the network that made an
+  action. The caller's arrays are never kept: later changes to them cannot reach the buffer. ``add`` allocates no
+  storage, with two exceptions, both into a CPU buffer, that make a temporary: a tensor on another device is copied
+  to the host first, and a bfloat16 tensor is converted to float32 (numpy has no bfloat16). A skipped row is copied
+  nowhere: the rows around it are written straight from the caller's arrays, a run of envs at a time, and
+  ``final_obs`` rows over the ``next_obs`` rows just written. Telling the rows apart reads ``terminated`` and
+  ``truncated`` on the host (a host sync for CUDA tensors), in ``"next_step"`` mode and when ``final_obs`` is given.
+  On the CPU the writes are numpy's, which torch's probes (``CopyAudit``, ``MemoryProbe``) do not see;
   ``tracemalloc`` does. Each ``add`` raises the six tensors' version counter once, so a buffer tensor saved for
   backward and then overwritten makes ``backward()`` raise.
-* An ``add`` is checked before anything is written: a wrong shape or dtype raises a one-line ``ValueError`` that
-  names the field, and the buffer is left as it was.
+* An ``add`` is checked before anything is written, ``final_obs`` included: a wrong shape or dtype raises a one-line
+  ``ValueError`` that names the field (and the env, for ``final_obs``), and the buffer is left as it was.
 * ``sample`` gathers into new memory: the batch shares nothing with the buffer, so training code can modify it
   (normalise in place, say) without corrupting the experience. Fields keep their stored dtypes. On the CPU the batch
   is numpy memory, which ``MemoryProbe`` does not count (``tracemalloc`` does).
-* ``state_dict()`` holds the filled rows of each field (sharing the buffer's memory, not copied) and the write
-  position: a resumed run continues with the same experience, in the same ring order; it loads with
-  ``torch.load(..., weights_only=True)``.
+* ``state_dict()`` holds the filled rows of each field (sharing the buffer's memory, not copied), the write
+  position, the autoreset mode and which envs' next rows are reset steps: a resumed run continues with the same
+  experience, in the same ring order, and skips the same rows; it loads with ``torch.load(..., weights_only=True)``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from itertools import groupby
 from typing import Any, Protocol
 
 import numpy as np
 import torch
+
+from copy_correct._autoreset import parse_mode
 
 __all__ = ["ReplayBuffer"]
 
@@ -116,15 +141,18 @@ class ReplayBuffer:
             space's dtype, else float32.
         action_dtype: storage dtype of actions; default: the space's dtype (``Discrete``: int64), else int64.
         num_envs: ``None``: ``add`` takes one transition. ``N``: every field of ``add`` has a leading dimension
-            ``N`` (a vector env's step) and ``N`` rows are written. With a capacity that is a multiple of ``N``, a
-            step of numpy arrays as ``envs.step`` returns them is one row write per field (stable-baselines3's
-            layout), the fastest way in.
+            ``N`` (a vector env's step) and ``N`` rows are written, less the reset steps skipped. With a capacity
+            that is a multiple of ``N``, a step of numpy arrays as ``envs.step`` returns them is one row write per
+            field (stable-baselines3's layout), the fastest way in.
+        autoreset_mode: how the vector env resets (module docstring): ``envs.metadata["autoreset_mode"]``, or
+            ``"next_step"``, ``"same_step"``, ``"disabled"``; ``None``: every row is stored.
         device: where the storage lives, and so where samples are gathered.
 
     Attributes:
         obs, action, reward, next_obs, terminated, truncated: the storage, ``capacity`` rows each, views of one
             block. Rewards are float32, ``terminated`` and ``truncated`` bool.
         pos: the row the next transition goes to. ``size``: how many rows hold transitions (also ``len``).
+        autoreset_mode: ``"next_step"``, ``"same_step"`` or ``"disabled"`` (also when ``None`` was given).
         nbytes: the block's size in bytes: every field, each padded to a multiple of 64 bytes.
     """
 
@@ -137,12 +165,14 @@ class ReplayBuffer:
         obs_dtype: DTypeLike | None = None,
         action_dtype: DTypeLike | None = None,
         num_envs: int | None = None,
+        autoreset_mode: Any = None,
         device: str | torch.device = "cpu",
     ) -> None:
         if num_envs is not None and num_envs < 1:
             raise ValueError(f"num_envs must be None or >= 1, got {num_envs}")
         if capacity < max(1, num_envs or 1):
             raise ValueError(f"capacity must be >= 1 and >= num_envs, got {capacity}")
+        self.autoreset_mode = parse_mode(autoreset_mode, num_envs)
         self.capacity = capacity
         self.num_envs = num_envs
         self.device = torch.device(device)
@@ -179,6 +209,12 @@ class ReplayBuffer:
             )
             self._fields.append(_Field(name, shape, add_shape, tensor.dtype, accepted, writer, sizes[name] // capacity))
             start += -(-sizes[name] // _ALIGN) * _ALIGN
+        obs_field, next_field = self._fields[0], self._fields[3]  # final_obs: one observation, into next_obs's rows
+        self._final = _Field("final_obs", self.obs_shape, self.obs_shape, obs_field.dtype, obs_field.accepted,
+                             next_field.writer, obs_field.row_bytes)  # fmt: skip
+        self._next_step = self.autoreset_mode == "next_step"
+        self._ended = np.zeros(num_envs or 1, dtype=np.bool_)  # next_step: the env's next row is its reset step
+        self._skip = False  # some env's next row is its reset step
         self._fast = _FastPath(self._fields) if on_cpu and num_envs is None else None
         self._rows = _EnvRows(self._fields, num_envs) if on_cpu and num_envs and capacity % num_envs == 0 else None
         self._version_of = (self._base,)  # the one counter of all six tensors, raised once per add
@@ -192,15 +228,31 @@ class ReplayBuffer:
     def full(self) -> bool:
         return self.size == self.capacity
 
-    def add(self, obs: Any, action: Any, reward: Any, next_obs: Any, terminated: Any, truncated: Any = False) -> None:
+    def add(
+        self,
+        obs: Any,
+        action: Any,
+        reward: Any,
+        next_obs: Any,
+        terminated: Any,
+        truncated: Any = False,
+        *,
+        final_obs: Any = None,
+    ) -> None:
         """Copy one transition (``num_envs=N``: N transitions, each field with a leading dimension N) into the next
         rows, overwriting the oldest once full. Fields: numpy arrays, tensors (detached; any device), or Python and
         numpy numbers. Checked before anything is written: a wrong shape or dtype is a ``ValueError`` naming the
         field, a float never goes into an integer field nor a bool into a floating one, and the buffer is unchanged.
+
+        In ``"next_step"`` mode the rows of the envs whose last row ended an episode are their reset steps and are
+        not written; the rows written follow one another. ``final_obs`` (``infos.get("final_obs")``, ``"same_step"``
+        mode): the real last observations, one per env (``None`` for an env that did not end), written in place of
+        ``next_obs`` for the rows whose episode ended; ``None``: ``next_obs`` is stored as it is.
         """
         fast = self._fast
         if (  # one transition as an environment loop has it, in exactly the stored dtypes: nothing to convert
             fast is not None
+            and final_obs is None
             and type(obs) is _ndarray
             and type(next_obs) is _ndarray
             and obs.dtype is next_obs.dtype is fast.obs_dtype
@@ -240,13 +292,19 @@ class ReplayBuffer:
             return
         values = (obs, action, reward, next_obs, terminated, truncated)
         rows = self._rows
-        if rows is not None and not self.pos % rows.n and rows.fits(values):  # a vector env's step as it comes
+        if (  # a vector env's step as it comes, every row a transition
+            rows is not None and final_obs is None and not self._skip and not self.pos % rows.n and rows.fits(values)
+        ):
             at = self.pos // rows.n
             o, a, r, n, te, tr = rows.arrays
             o[at], a[at], r[at], n[at], te[at], tr[at] = values
             torch._C._increment_version(self._version_of)
             self.pos = (self.pos + rows.n) % self.capacity
             self.size = min(self.size + rows.n, self.capacity)
+            # next_step: the envs whose episode ended take their reset step next (count_nonzero: the cheapest look)
+            if self._next_step and (np.count_nonzero(terminated) or np.count_nonzero(truncated)):
+                np.logical_or(terminated, truncated, out=self._ended)
+                self._skip = True
             return
         fields = self._fields
         if self._on_cpu:  # arrays of a dtype and shape that fit are written as they are (numpy casts them)
@@ -256,20 +314,53 @@ class ReplayBuffer:
             ]
         else:
             sources = [self._checked(f, v) for f, v in zip(fields, values, strict=True)]
-        pos, rows = self.pos, self.num_envs or 1
-        end = pos + rows
-        if end <= self.capacity:
-            at = pos if self.num_envs is None else slice(pos, end)
+        done = _flags(sources[4]) | _flags(sources[5]) if self._next_step or final_obs is not None else None
+        skipped = self._ended if self._skip else None  # next_step: these envs' rows are their reset steps
+        finals = () if final_obs is None else self._finals(final_obs, done if skipped is None else done & ~skipped)
+        pos, written = self.pos, 0  # everything is checked: from here on, only writes
+        if self.num_envs is None:
             for field, source in zip(fields, sources, strict=True):
-                field.writer[at] = source
-        else:  # the rows wrap around the end of the ring
-            split = self.capacity - pos
-            for field, source in zip(fields, sources, strict=True):
-                field.writer[pos:] = source[:split]
-                field.writer[: end - self.capacity] = source[split:]
+                field.writer[pos] = source
+            written = 1
+        else:
+            for first, stop in _runs(skipped, self.num_envs):
+                self._write_rows(sources, first, stop, (pos + written) % self.capacity)
+                written += stop - first
+        for env, value in finals:  # each over the next_obs row its env's transition was just written to
+            row = env if skipped is None else env - int(skipped[:env].sum())
+            self._final.writer[(pos + row) % self.capacity] = value
         torch._C._increment_version(self._version_of)
-        self.pos = end % self.capacity
-        self.size = min(self.size + rows, self.capacity)
+        self.pos = (pos + written) % self.capacity
+        self.size = min(self.size + written, self.capacity)
+        if self._next_step:
+            ended = self._ended
+            ended[:] = done & ~ended  # a reset step ends no episode
+            self._skip = bool(ended.any())
+
+    def _write_rows(self, sources: list[Any], first: int, stop: int, pos: int) -> None:
+        """The rows ``first:stop`` of every field's source (envs that follow one another) into the ring from row
+        ``pos``, wrapping around its end; slices of the sources, so nothing is copied on the way."""
+        split = min(stop - first, self.capacity - pos)
+        for field, source in zip(self._fields, sources, strict=True):
+            field.writer[pos : pos + split] = source[first : first + split]
+            if first + split < stop:  # the rows wrap around the end of the ring
+                field.writer[: stop - first - split] = source[first + split : stop]
+
+    def _finals(self, final_obs: Any, ended: np.ndarray) -> list[tuple[int, Any]]:
+        """``(env, observation)``, checked, for each env of ``ended`` (whose row is written and ends an episode):
+        its row of ``final_obs``, one observation per env (gymnasium's object array: ``None`` where none ended)."""
+        if self.num_envs is None:
+            return [(0, self._checked(self._final, final_obs))] if ended[0] else []
+        rows = len(final_obs) if isinstance(final_obs, (list, tuple)) or getattr(final_obs, "ndim", 0) else None
+        if rows != self.num_envs:
+            got = type(final_obs).__name__ + ("" if rows is None else f" of {rows} rows")
+            raise ValueError(f"final_obs must hold one observation per env ({self.num_envs}), got {got}")
+        finals = []
+        for env in np.flatnonzero(ended).tolist():
+            if final_obs[env] is None:
+                raise ValueError(f"final_obs of env {env} is None, but its episode ended: pass this step's final_obs")
+            finals.append((env, self._checked(replace(self._final, name=f"final_obs of env {env}"), final_obs[env])))
+        return finals
 
     def _checked(self, field: _Field, value: Any) -> Any:
         """``value`` ready to be written into ``field`` (a tensor detached, and on the CPU as numpy); raises a
@@ -284,7 +375,9 @@ class ReplayBuffer:
         else:
             raise TypeError(f"{field.name} must be a numpy array, a tensor or a number, got {type(value).__name__}")
         if shape != field.add_shape:
-            per_add = "" if self.num_envs is None else f" and {self.num_envs} per add: expected {field.add_shape}"
+            per_add = (
+                "" if field.add_shape == field.shape else f" and {self.num_envs} per add: expected {field.add_shape}"
+            )
             raise ValueError(f"{field.name} has shape {shape}, the buffer stores {field.shape} per transition{per_add}")
         if dtype not in field.accepted:  # a number's value may still fit; anything else is refused
             number = value if isinstance(value, (bool, int, float, np.generic)) else None
@@ -324,18 +417,29 @@ class ReplayBuffer:
         return batch
 
     def state_dict(self) -> dict[str, Any]:
-        """The filled rows of each field (sharing the buffer's memory, not copied) and the write position.
+        """The filled rows of each field (sharing the buffer's memory, not copied), the write position, the autoreset
+        mode and ``ended``: which envs' next rows are reset steps (``"next_step"``; one flag per env).
 
         Each field is a tensor over a storage of its own, made with DLPack over the same memory: ``torch.save``
         refuses tensors that view one storage in several dtypes. So only the filled rows are saved."""
         fields = {name: torch.from_dlpack(getattr(self, name)[: self.size]) for name in FIELDS}
-        return {"pos": self.pos, "size": self.size, **fields}
+        return {
+            "pos": self.pos, "size": self.size, "autoreset_mode": self.autoreset_mode,
+            "ended": torch.from_numpy(self._ended), **fields,
+        }  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Copy a saved buffer into this one's storage; its size, shapes and dtypes must fit."""
+        """Copy a saved buffer into this one's storage; its size, shapes, dtypes, autoreset mode and envs must fit."""
         size, pos = int(state["size"]), int(state["pos"])
         if not 0 <= size <= self.capacity or not 0 <= pos < self.capacity:
             raise ValueError(f"saved buffer (size {size}, pos {pos}) does not fit capacity {self.capacity}")
+        if state["autoreset_mode"] != self.autoreset_mode:
+            raise ValueError(
+                f"saved buffer has autoreset_mode={state['autoreset_mode']!r}, this one {self.autoreset_mode!r}"
+            )
+        ended = state["ended"]
+        if tuple(ended.shape) != self._ended.shape or ended.dtype != torch.bool:
+            raise ValueError(f"saved ended is {tuple(ended.shape)} {ended.dtype}, expected {self._ended.shape} bool")
         for name in FIELDS:
             saved, into = state[name], getattr(self, name)
             expected = (size, *into.shape[1:])
@@ -346,6 +450,8 @@ class ReplayBuffer:
         with torch.no_grad():
             for name in FIELDS:
                 getattr(self, name)[:size].copy_(state[name])
+        self._ended[:] = ended.cpu().numpy()
+        self._skip = bool(self._ended.any())
         self.size, self.pos = size, pos
 
 
@@ -398,6 +504,26 @@ class _EnvRows:
             and (a.dtype is self.action_dtype or a.dtype in self.action_takes)
             and r.dtype in self.reward_takes and te.dtype in self.flag_takes and tr.dtype in self.flag_takes
         )  # fmt: skip
+
+
+def _flags(value: Any) -> np.ndarray:
+    """Checked ``terminated`` or ``truncated`` as a numpy bool array of one row per env, on the host."""
+    if isinstance(value, torch.Tensor):
+        value = value.cpu().numpy()
+    return np.asarray(value, dtype=np.bool_).reshape(-1)
+
+
+def _runs(skipped: np.ndarray | None, num_envs: int) -> list[tuple[int, int]]:
+    """The envs whose rows are written, as runs ``(first, stop)`` of envs that follow one another."""
+    if skipped is None:
+        return [(0, num_envs)]
+    runs, env = [], 0
+    for skip, group in groupby(skipped.tolist()):
+        stop = env + len(list(group))
+        if not skip:
+            runs.append((env, stop))
+        env = stop
+    return runs
 
 
 def _layout(name: str, spec: Any, dtype: DTypeLike | None, default: type) -> tuple[tuple[int, ...], np.dtype]:

@@ -2,8 +2,9 @@
 examples' ``dcgan/main.py`` writes it (plain PyTorch, their names, their order of steps), each with our parts dropped
 in with the fewest changes (marked ``# ours``), asserting the copy claims end to end:
 
-* DQN: the replay buffer holds no graph, also fed a DDPG actor's output that requires grad; a dropped target network
-  is freed, also when its root module owns a buffer; memory stays flat over hundreds of steps.
+* DQN: the replay buffer holds no graph, also fed a DDPG actor's output that requires grad; under gymnasium 1.x's
+  default autoreset it stores no reset step; a dropped target network is freed, also when its root module owns a
+  buffer; memory stays flat over hundreds of steps.
 * DCGAN: sampling with the average in the generator, which stays in training mode as DCGAN keeps it, leaves the
   average bit for bit as it was and the live weights as they were; no graph outlives a step; memory stays flat.
 
@@ -36,9 +37,13 @@ from copy_correct.probes import GraphRetentionGuard, MemoryProbe, find_graph_ref
 
 # ----------------------------------------------------------------------------------------------------------------------
 # CleanRL's dqn.py, scaled down to run in a test: its Args, QNetwork, linear_schedule and loop. Changed: the buffer is
-# ours (built from the env's spaces, one batched add for the vectorised envs), the target is make_target(q_network)
-# instead of a second QNetwork and load_state_dict, and the Polyak update is soft_update instead of a loop over
-# `.data`. The Q-network normalises its input by a scale it registers as a buffer on its root module, as users do.
+# ours (built from the env's spaces and told the env's autoreset mode, one batched add for the vectorised envs), the
+# target is make_target(q_network) instead of a second QNetwork and load_state_dict, and the Polyak update is
+# soft_update instead of a loop over `.data`. CleanRL pins gymnasium 0.29, whose vector envs reset in the step that
+# ends an episode and put the real last observation in infos["final_observation"]; its env line, run on gymnasium
+# 1.x, gets the default NEXT_STEP autoreset, where next_obs is already the real last observation and the step after
+# is a reset step: our buffer leaves those out, so CleanRL's four lines that build real_next_obs go. The Q-network
+# normalises its input by a scale it registers as a buffer on its root module, as users do.
 
 
 @dataclass
@@ -94,33 +99,37 @@ class DQNRun:
     target: weakref.ref
     windows: list[tuple[int, int]]  # (torch bytes, Python/numpy bytes) created in a window and alive at its end
     losses: list[float]
+    reset_steps: int  # env steps that were reset steps (NEXT_STEP autoreset): no transition
 
 
 def run_dqn(args: Args, windows: int = 3, window: int = 200, hand_written: list | None = None) -> DQNRun:
     """CleanRL's loop; after ``learning_starts``, ``windows`` times two windows of ``window`` steps: one measured by
     MemoryProbe, one by tracemalloc. ``hand_written``: a list that also gets every transition, as a buffer written
-    by hand keeps them (the control)."""
+    by hand keeps them (the control). The env steps that are reset steps are counted, beside CleanRL's loop."""
     random.seed(args.seed)
     np.random.seed(args.seed)
     torch.manual_seed(args.seed)
-    envs = gym.vector.SyncVectorEnv(
-        [make_env(args.env_id, args.seed + i, i) for i in range(args.num_envs)],
-        autoreset_mode=gym.vector.AutoresetMode.SAME_STEP,
-    )
+    envs = gym.vector.SyncVectorEnv([make_env(args.env_id, args.seed + i, i) for i in range(args.num_envs)])
     q_network = QNetwork(envs)
     optimizer = optim.Adam(q_network.parameters(), lr=args.learning_rate)
     target_network = make_target(q_network)  # ours
     rb = ReplayBuffer(  # ours
-        args.buffer_size, envs.single_observation_space, envs.single_action_space, num_envs=args.num_envs
+        args.buffer_size,
+        envs.single_observation_space,
+        envs.single_action_space,
+        num_envs=args.num_envs,
+        autoreset_mode=envs.metadata["autoreset_mode"],
     )
     losses: list[float] = []
     measured: list[tuple[int, int]] = []
 
     obs, _ = envs.reset(seed=args.seed)
     global_step = 0
+    ended = np.zeros(args.num_envs, dtype=bool)  # for the count of reset steps, not CleanRL's
+    reset_steps = 0
 
     def step() -> None:  # one iteration of CleanRL's `for global_step in range(args.total_timesteps)`
-        nonlocal obs, global_step
+        nonlocal obs, global_step, ended, reset_steps
         epsilon = linear_schedule(
             args.start_e, args.end_e, int(args.exploration_fraction * args.total_timesteps), global_step
         )
@@ -129,14 +138,12 @@ def run_dqn(args: Args, windows: int = 3, window: int = 200, hand_written: list 
         else:
             q_values = q_network(torch.Tensor(obs))
             actions = torch.argmax(q_values, dim=1).cpu().numpy()
-        next_obs, rewards, terminations, truncations, infos = envs.step(actions)
-        real_next_obs = next_obs.copy()
-        for idx, trunc in enumerate(truncations):
-            if trunc:
-                real_next_obs[idx] = infos["final_obs"][idx]
-        rb.add(obs, actions, rewards, real_next_obs, terminations, truncations)  # ours: every env's row in one call
+        next_obs, rewards, terminations, truncations, _infos = envs.step(actions)  # CleanRL logs from infos
+        rb.add(obs, actions, rewards, next_obs, terminations, truncations)  # ours: every env's row in one call
         if hand_written is not None:
-            hand_written.append((obs, actions, rewards, real_next_obs, terminations, truncations))
+            hand_written.append((obs, actions, rewards, next_obs, terminations, truncations))
+        reset_steps += int(ended.sum())
+        ended = terminations | truncations
         obs = next_obs
         if global_step > args.learning_starts:
             if global_step % args.train_frequency == 0:
@@ -169,13 +176,15 @@ def run_dqn(args: Args, windows: int = 3, window: int = 200, hand_written: list 
         tracemalloc.stop()
         measured.append((probe.net_bytes, python_bytes))
     envs.close()
-    return DQNRun(rb, weakref.ref(target_network), measured, losses)
+    return DQNRun(rb, weakref.ref(target_network), measured, losses, reset_steps)
 
 
 def test_cleanrl_dqn_with_our_parts_holds_no_graph_keeps_no_target_and_runs_in_flat_memory() -> None:
     args = Args()
     run = run_dqn(args)
-    assert len(run.rb) == (args.learning_starts + args.target_network_frequency + 3 * 2 * 200) * args.num_envs
+    steps = args.learning_starts + args.target_network_frequency + 3 * 2 * 200
+    # a row per env step but the reset steps (the buffer holds all: 10,000 rows), which an add of every row stores
+    assert run.reset_steps > 20 and len(run.rb) == steps * args.num_envs - run.reset_steps
     assert all(np.isfinite(run.losses)) and len(run.losses) == 129  # steps 410, 420, ..., 1690
     assert find_graph_refs(run.rb, name="rb") == []
     gc.collect()

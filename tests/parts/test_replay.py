@@ -1,11 +1,14 @@
 """ReplayBuffer: writes outside autograd and without allocation, independent samples, gymnasium spaces and dtypes,
-vectorised adds, one-line errors that leave the buffer as it was, state round trip. Controls: the old write
-(``copy_`` of a tensor that requires grad), a deque of tensors, stable-baselines3's ``np.array`` copy, float32 frames.
+vectorised adds, one-line errors that leave the buffer as it was, state round trip; a gymnasium vector env in each
+autoreset mode stores every real transition and no reset step, also across a saved state. Controls: the old write
+(``copy_`` of a tensor that requires grad), a deque of tensors, stable-baselines3's ``np.array`` copy, float32 frames,
+a buffer that writes every row of a vector step (or is told another mode), a loop without the final observations.
 """
 
 from __future__ import annotations
 
 import tracemalloc
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +16,7 @@ import gymnasium as gym
 import numpy as np
 import pytest
 import torch
+from gymnasium.vector import AutoresetMode
 from torch import nn
 
 from copy_correct import ReplayBuffer
@@ -475,3 +479,255 @@ def test_sampling_an_empty_buffer_or_no_rows_is_an_error() -> None:
     buffer.add(*transition(0))
     with pytest.raises(ValueError, match="batch_size must be >= 1, got 0"):
         buffer.sample(0)
+
+
+# -- vector envs in every autoreset mode ---------------------------------------------------------------------------
+
+MODES = {"next_step": AutoresetMode.NEXT_STEP, "same_step": AutoresetMode.SAME_STEP, "disabled": AutoresetMode.DISABLED}
+LENGTHS = (2, 3, 5)  # each env's episode length: episodes end at different steps (envs 0 and 2 at once, at times)
+
+
+class Steps(gym.Env):
+    """An env whose observation says where it is, ``(env, episode, step)``, with episodes of ``LENGTHS[env]`` steps,
+    terminated in even envs and truncated in odd ones. The reward is the step reached; the action is ignored."""
+
+    def __init__(self, env: int) -> None:
+        self.observation_space = gym.spaces.Box(0, 1000, (3,), np.float32)
+        self.action_space = gym.spaces.Discrete(1000)
+        self.env, self.episode, self.t = env, -1, 0
+
+    def reset(self, *, seed: int | None = None, options: dict | None = None) -> tuple[np.ndarray, dict]:
+        super().reset(seed=seed)
+        self.episode, self.t = self.episode + 1, 0
+        return np.array([self.env, self.episode, 0], np.float32), {}
+
+    def step(self, action: int) -> tuple[np.ndarray, float, bool, bool, dict]:
+        self.t += 1
+        end = self.t == LENGTHS[self.env]
+        odd = self.env % 2 == 1
+        return np.array([self.env, self.episode, self.t], np.float32), float(self.t), end and not odd, end and odd, {}
+
+
+def vector_steps(mode: str) -> gym.vector.SyncVectorEnv:
+    return gym.vector.SyncVectorEnv([lambda env=env: Steps(env) for env in range(3)], autoreset_mode=MODES[mode])
+
+
+def steps(envs: gym.vector.SyncVectorEnv, count: int, feed: str = "final_obs") -> Iterator[tuple[tuple, dict]]:
+    """``count`` steps of ``envs``: each one's ``add`` arguments as the mode's loop passes them (``feed``: the
+    manual's loop, ``final_obs=infos.get("final_obs")``; ``"as is"``: ``next_obs`` as the env gave it; ``"cleanrl"``:
+    CleanRL's ``dqn.py``, truncated rows of ``next_obs`` replaced by their final observation). The action of env
+    ``e`` at step ``s`` is ``100 e + s``. In the disabled mode the loop resets the ended envs by hand."""
+    obs, _ = envs.reset(seed=0)
+    for step in range(count):
+        actions = 100 * np.arange(3) + step
+        next_obs, rewards, terminations, truncations, infos = envs.step(actions)
+        real_next_obs, kwargs = next_obs, {}
+        if feed == "final_obs":
+            kwargs = {"final_obs": infos.get("final_obs")}
+        elif feed == "cleanrl":
+            real_next_obs = next_obs.copy()
+            for idx, trunc in enumerate(truncations):
+                if trunc:
+                    real_next_obs[idx] = infos["final_obs"][idx]
+        yield (obs, actions, rewards, real_next_obs, terminations, truncations), kwargs
+        if envs.metadata["autoreset_mode"] == AutoresetMode.DISABLED and (done := terminations | truncations).any():
+            reset, _ = envs.reset(options={"reset_mask": done})
+            next_obs = np.where(done[:, None], reset, next_obs)
+        obs = next_obs
+
+
+def expected(mode: str, count: int) -> list[tuple]:
+    """The transitions the envs make in ``count`` steps, in the order a buffer keeps them (step by step, env by env),
+    as ``stored`` lists them; in next_step mode each episode's end costs its env a step, the reset step."""
+    rows = []
+    for step in range(count):
+        for env, length in enumerate(LENGTHS):
+            episode, t = divmod(step, length + (mode == "next_step"))
+            if t < length:
+                end = t + 1 == length
+                rows.append((env, episode, t, 100 * env + step, t + 1.0, env, episode, t + 1,
+                             end and env % 2 == 0, end and env % 2 == 1))  # fmt: skip
+    return rows
+
+
+def stored(buffer: ReplayBuffer) -> list[tuple]:
+    """The buffer's rows from the oldest to the newest: obs, action, reward, next_obs, terminated, truncated."""
+    order = [*range(buffer.pos, buffer.size), *range(buffer.pos)] if buffer.full else range(buffer.size)
+    fields = {name: getattr(buffer, name).cpu() for name in FIELDS}
+    return [
+        (*map(int, fields["obs"][i].tolist()), int(fields["action"][i]), float(fields["reward"][i]),
+         *map(int, fields["next_obs"][i].tolist()), bool(fields["terminated"][i]), bool(fields["truncated"][i]))
+        for i in order
+    ]  # fmt: skip
+
+
+def crossing(rows: list[tuple]) -> list[tuple]:
+    """The rows that are no step of an env: their next observation is not the next step of the same episode."""
+    return [row for row in rows if (row[5], row[6], row[7]) != (row[0], row[1], row[2] + 1)]
+
+
+@pytest.mark.parametrize("capacity", [39, 40], ids=["capacity-a-multiple-of-3", "capacity-not"])
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", list(MODES))
+def test_a_vector_env_in_each_autoreset_mode_stores_every_real_transition_and_nothing_else(
+    mode: str, device: str, capacity: int
+) -> None:
+    """Three envs whose episodes of 2, 3 and 5 steps end at different steps, 30 steps, in a ring of 39 or 40 rows
+    (it wraps): the rows, oldest to newest, are exactly the envs' transitions, in step and env order, with no reset
+    step and with each episode's real last transition, terminated or truncated as the env said (a capacity that is
+    a multiple of 3 takes a reset-free step as one row per field). The controls are the next test."""
+    envs = vector_steps(mode)
+    buffer = ReplayBuffer(
+        capacity, envs.single_observation_space, envs.single_action_space, num_envs=3,
+        autoreset_mode=envs.metadata["autoreset_mode"], device=device,
+    )  # fmt: skip
+    for args, kwargs in steps(envs, 30):
+        buffer.add(*args, **kwargs)
+    rows, want = stored(buffer), expected(mode, 30)
+    assert len(want) > capacity and buffer.full
+    assert rows == want[-capacity:]
+    assert crossing(rows) == []
+    ends = [row for row in rows if row[8] or row[9]]  # each ending: the step that reaches the episode's length
+    assert {row[0] for row in ends if row[8]} == {0, 2} and {row[0] for row in ends if row[9]} == {1}
+    assert all(row[7] == LENGTHS[row[0]] for row in ends)
+
+
+CONTROLS = {  # case -> (the env's mode, the buffer's mode, the loop's feed)
+    "next_step, every row stored": ("next_step", None, "final_obs"),
+    "same_step, next_obs as it is": ("same_step", "same_step", "as is"),
+    "same_step, CleanRL's truncated rows only": ("same_step", "same_step", "cleanrl"),
+    "disabled, the buffer told next_step": ("disabled", "next_step", "final_obs"),
+}
+
+
+@pytest.mark.parametrize("case", list(CONTROLS))
+def test_the_controls_store_reset_steps_or_lose_transitions(case: str) -> None:
+    """What the loop stores when the buffer does not know the env's mode, or the loop does not pass the real last
+    observations: a buffer that writes every row stores each reset step (the last observation to the next episode's
+    first, its action ignored); without ``final_obs`` each ending goes in with the next episode's first observation
+    (CleanRL's lines fix the truncated ones only); a buffer told next_step drops each new episode's first step."""
+    mode, told, feed = CONTROLS[case]
+    envs = vector_steps(mode)
+    buffer = ReplayBuffer(200, envs.single_observation_space, envs.single_action_space, num_envs=3,
+                          autoreset_mode=told)  # fmt: skip
+    for args, kwargs in steps(envs, 30, feed):
+        buffer.add(*args, **kwargs)
+    rows, want = stored(buffer), expected(mode, 30)
+    bad, lost = crossing(rows), [row for row in want if row not in rows]
+    if mode == "next_step":  # every reset step: (env, episode, last step) -> (env, next episode, 0)
+        assert len(rows) == 90 and len(bad) == 90 - len(want) > 20 and lost == []
+        assert all((row[5], row[6], row[7]) == (row[0], row[1] + 1, 0) and row[2] == LENGTHS[row[0]] for row in bad)
+    elif mode == "same_step":  # each ending, or each terminated one, with the next episode's first observation
+        endings = [row for row in want if row[8] or (row[9] and feed == "as is")]
+        assert len(bad) == len(lost) == len(endings) > 10 and lost == endings
+        assert all((row[5], row[6], row[7]) == (row[0], row[1] + 1, 0) for row in bad)
+    else:  # each episode's first step after the first episode: missing, nothing stored in its place
+        assert bad == [] and len(lost) > 10 and all(row[2] == 0 and row[1] > 0 for row in lost)
+        assert len(rows) == len(want) - len(lost)
+
+
+def test_a_state_saved_between_an_ending_and_its_reset_step_resumes_skipping_it(tmp_path: Path) -> None:
+    """next_step: saved right after the step where envs 0 and 2 both end, before their reset steps; resumed, the
+    buffer skips those reset steps and ends with the rows of the uninterrupted one. Control: the same state without
+    the envs that ended (``ended`` all false, all a state holds that knows no autoreset) stores both reset steps."""
+    envs = vector_steps("next_step")
+    space, actions = envs.single_observation_space, envs.single_action_space
+
+    def new() -> ReplayBuffer:
+        return ReplayBuffer(60, space, actions, num_envs=3, autoreset_mode="next_step")
+
+    buffer, resumed, control = new(), new(), new()
+    run = steps(envs, 16)
+    for _ in range(5):  # steps 0-4: env 0 ends at steps 1 and 4, env 2 at step 4
+        args, kwargs = next(run)
+        buffer.add(*args, **kwargs)
+    state = buffer.state_dict()
+    assert state["ended"].tolist() == [True, False, True] and state["autoreset_mode"] == "next_step"
+    torch.save(state, tmp_path / "replay.pt")
+    resumed.load_state_dict(torch.load(tmp_path / "replay.pt", weights_only=True))
+    control.load_state_dict({**state, "ended": torch.zeros(3, dtype=torch.bool)})
+    for args, kwargs in run:
+        for each in (buffer, resumed, control):
+            each.add(*args, **kwargs)
+    assert stored(resumed) == stored(buffer) == expected("next_step", 16)
+    assert [row[:3] for row in crossing(stored(control))] == [(0, 1, 2), (2, 0, 5)]  # the two reset steps
+    with pytest.raises(ValueError, match=r"^saved buffer has autoreset_mode='next_step', this one 'disabled'$"):
+        ReplayBuffer(60, space, actions, num_envs=3, autoreset_mode="disabled").load_state_dict(state)
+
+
+def test_skipped_rows_and_final_observations_are_written_without_allocating() -> None:
+    """4 envs of 4x84x84 uint8 frames: a next_step add that skips envs 0 and 2 writes envs 1 and 3 from the caller's
+    array, and a same_step add writes ``final_obs`` over the rows just written: no frame is allocated on the way
+    (``tracemalloc``), each add raises the version once. Control: picking the kept rows first, ``obs[keep]``."""
+    frames = np.stack([np.full(FRAME, env, np.uint8) for env in range(4)])
+    actions, rewards, no = np.arange(4), np.ones(4), np.zeros(4, bool)
+    ends = np.array([True, False, True, False])
+    finals = np.array([frames[0] + 10, None, frames[2] + 10, None], dtype=object)
+    next_step = ReplayBuffer(16, FRAME, obs_dtype=np.uint8, num_envs=4, autoreset_mode="next_step")
+    same_step = ReplayBuffer(16, FRAME, obs_dtype=np.uint8, num_envs=4, autoreset_mode="same_step")
+    next_step.add(frames, actions, rewards, frames, ends, no)
+    tracemalloc.start()
+    try:
+        version = next_step.obs._version
+        next_step.add(frames, actions, rewards, frames, no, no)  # envs 0 and 2 take their reset steps
+        same_step.add(frames, actions, rewards, frames, ends, no, final_obs=finals)
+        ours = tracemalloc.get_traced_memory()[1]
+        tracemalloc.reset_peak()
+        keep = ~ends
+        control = np.zeros((16, *FRAME), np.uint8)
+        control[4:6] = frames[keep]
+        naive = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert ours < frames[0].nbytes // 4, ours
+    assert naive >= 2 * frames[0].nbytes, naive
+    assert next_step.obs._version == version + 1 and (len(next_step), next_step.pos) == (6, 6)
+    assert next_step.obs[4:6, 0, 0, 0].tolist() == [1, 3]  # envs 1 and 3, one after the other
+    assert same_step.next_obs[:, 0, 0, 0].tolist()[:4] == [10, 1, 12, 3] and same_step.obs[2, 0, 0, 0] == 2
+
+
+ONE_PER_ENV = r"final_obs must hold one observation per env \(3\)"
+FINALS = {  # case -> (final_obs for envs 0 and 2 ending, of 3, the error)
+    "None for an env that ended": (np.array([np.zeros(4), None, None], dtype=object),
+                                   r"^final_obs of env 2 is None, but its episode ended: pass this step's final_obs$"),
+    "a row of another shape": (np.array([np.zeros(3), None, np.zeros(4)], dtype=object),
+                               r"^final_obs of env 0 has shape \(3,\), the buffer stores \(4,\) per transition$"),
+    "a row as a list": (np.array([[0.0] * 4, None, np.zeros(4)], dtype=object),
+                        r"^final_obs of env 0 must be a numpy array, a tensor or a number, got list$"),
+    "two rows for three envs": (np.zeros((2, 4)), rf"^{ONE_PER_ENV}, got ndarray of 2 rows$"),
+    "one observation, not one per env": (np.zeros(4), rf"^{ONE_PER_ENV}, got ndarray of 4 rows$"),
+    "a number": (0.0, rf"^{ONE_PER_ENV}, got float$"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(FINALS))
+def test_a_bad_final_obs_is_a_one_line_error_naming_the_env_and_nothing_is_written(case: str) -> None:
+    buffer = ReplayBuffer(4, (4,), num_envs=3, autoreset_mode="next_step")
+    obs, flags = np.zeros((3, 4), np.float32), np.zeros(3, bool)
+    buffer.add(obs, np.zeros(3, np.int64), np.ones(3), obs, flags, flags)
+    before, ended = snapshot(buffer), buffer._ended.copy()
+    final_obs, message = FINALS[case]
+    ends = np.array([True, False, True])
+    with pytest.raises((ValueError, TypeError), match=message) as error:
+        buffer.add(obs, np.zeros(3, np.int64), np.ones(3), obs, ends, flags, final_obs=final_obs)
+    assert "\n" not in str(error.value)
+    assert same(snapshot(buffer), before) and np.array_equal(buffer._ended, ended)
+    good = np.array([np.ones(4), None, np.full(4, 2.0)], dtype=object)  # the control: the env's kind is taken
+    buffer.add(obs, np.zeros(3, np.int64), np.ones(3), obs, ends, flags, final_obs=good)
+    assert buffer.next_obs[[3, 0, 1], 0].tolist() == [1.0, 0.0, 2.0] and buffer._ended.tolist() == [True, False, True]
+
+
+def test_autoreset_modes_by_any_name_and_a_single_env_reset_by_hand() -> None:
+    """The mode as gymnasium's enum or its name in any spelling; a single env is reset by hand; ``final_obs`` with a
+    single env is its one last observation, written for an ending only."""
+    assert ReplayBuffer(4, (4,), num_envs=2, autoreset_mode="NextStep").autoreset_mode == "next_step"
+    assert ReplayBuffer(4, (4,), num_envs=2, autoreset_mode=AutoresetMode.SAME_STEP).autoreset_mode == "same_step"
+    assert ReplayBuffer(4, (4,), num_envs=2).autoreset_mode == ReplayBuffer(4, (4,)).autoreset_mode == "disabled"
+    with pytest.raises(ValueError, match=r"^autoreset_mode must be one of next_step, same_step, disabled"):
+        ReplayBuffer(4, (4,), num_envs=2, autoreset_mode="sometimes")
+    with pytest.raises(ValueError, match=r"^a single env \(num_envs=None\) is reset by hand: autoreset_mode must be"):
+        ReplayBuffer(4, (4,), autoreset_mode="next_step")
+    one = ReplayBuffer(4, (4,))
+    one.add(*transition(0), final_obs=np.full(4, 9, np.float32))  # not an ending: next_obs is kept
+    one.add(*transition(4), final_obs=np.full(4, 9, np.float32))  # an ending (i % 5 == 4)
+    assert one.next_obs[:2, 0].tolist() == [1.0, 9.0] and one.terminated[:2].tolist() == [False, True]
