@@ -34,6 +34,13 @@ Copy contract:
   (``average_weights``, ``copy_to``, ``export``) warns once when it is above one half.
 * ``export()`` returns a new module holding the average, in eval mode: a ``copy.deepcopy`` of the model (parameters
   and buffers cloned, gradients not), the average copied into it. The model and the shadow are only read.
+* ``pickle`` and ``copy.deepcopy`` copy the EMA without its model: the settings, the counters and the shadow, in new
+  storage (tied tensors stay one), so updating either never reaches the other. The model is not carried (the EMA
+  refers to it, and weakly to its buffers' owners, which cannot travel): the copy tracks no model (``model`` is
+  ``None``) until one is given, by ``update(model)``, ``average_weights(model)`` or ``track(model)``, which check
+  that its names, shapes and ties are the shadow's; ``update()``, ``average_weights()``, ``copy_to()`` and
+  ``export()`` without a model raise until then, saying so. ``shadow``, ``state_dict`` and ``copy_to(other_model)``
+  work on a copy at once. An EMA of a sharded model refuses to be copied (save its ``state_dict`` instead).
 
 Sharded models (FSDP2: every parameter a ``DTensor``, each rank holding its shard; ``ema.sharded`` is True):
 
@@ -163,10 +170,10 @@ class EMA:
         self.step = 0  # calls of update()
         self.num_updates = 0  # averaging updates applied (the warm-up's k)
         self._shadow: dict[str, torch.Tensor] = {}
-        self._slots: dict[str, tuple[int, int]] = {}  # name -> (group index, position in the group)
         self._groups: list[_Group] = []
-        self._model = unwrap(model)
-        self.sharded = any(is_sharded(p) for p in self._model.parameters())
+        tracked = unwrap(model)
+        self._model: nn.Module | None = tracked  # None in a copy, until it is given a model (track)
+        self.sharded = any(is_sharded(p) for p in tracked.parameters())
         if self.sharded and self.device is not None:
             raise ValueError(
                 f"device={device!r} is not supported for a sharded (FSDP2) model: leave device=None, each rank's "
@@ -174,53 +181,112 @@ class EMA:
             )
         self._swap: _Swap | None = None  # set while average_weights holds the average in the model
         self._share_checked = False  # initial_share is checked once, when the average is first used
-        self._build(self._model)
+        self._shadow, self._groups = self._build(tracked)
 
     # -- construction -------------------------------------------------------------------------------
 
-    def _build(self, model: nn.Module) -> None:
+    def _build(
+        self, model: nn.Module, given: Mapping[str, torch.Tensor] | None = None
+    ) -> tuple[dict[str, torch.Tensor], list[_Group]]:
+        """The shadow by name and the groups pairing it with the model's tensors. The shadow is new tensors, copies of
+        the model's (at construction), or ``given``'s own (a copy of an EMA given a model: ``track``)."""
+        shadows: dict[str, torch.Tensor] = {}
         first_name: dict[int, str] = {}
+        claimed: set[int] = set()  # the given shadows paired with a tensor of the model so far
         groups: dict[tuple, _Group] = {}
         reshard(model)  # the sharded parameters registered, not gathered copies
         with torch.no_grad():
             for name, live, owner in state_entries(model, self.include_buffers):
                 if id(live) in first_name:  # tied weights share one shadow
-                    self._shadow[name] = self._shadow[first_name[id(live)]]
-                    self._slots[name] = self._slots[first_name[id(live)]]
+                    shadows[name] = shadows[first_name[id(live)]]
                     continue
                 first_name[id(live)] = name
                 average = live.is_floating_point()
-                dtype = self._shadow_dtype_for(live.dtype) if average else live.dtype
-                device = self.device or live.device
-                shadow = local(live).to(device=device, dtype=dtype, copy=True)  # this rank's shard, when sharded
-                if is_sharded(live):
-                    self._shadow[name] = from_local(shadow, live)
+                if given is None:
+                    dtype = self._shadow_dtype_for(live.dtype) if average else live.dtype
+                    shadow = local(live).to(device=self.device or live.device, dtype=dtype, copy=True)  # a shard's
+                    shadows[name] = from_local(shadow, live) if is_sharded(live) else shadow
                 else:
-                    self._shadow[name] = shadow
+                    shadow = shadows[name] = _given_shadow(given, name, live, claimed)
                 key = (shadow.device, shadow.dtype, live.device, live.dtype, average)
                 if key not in groups:
                     groups[key] = _Group(average, live.device, live.dtype)
                 group = groups[key]
-                self._slots[name] = (list(groups).index(key), len(group.shadows))
                 group.shadows.append(shadow)
                 group.live.append(live, owner)
                 group.names.append(name)
                 group.parameters.append(owner is None)
                 if shadow.dtype != live.dtype or shadow.device != live.device:
                     group.staging.append(torch.empty_like(shadow))
-        self._groups = list(groups.values())
+        if given is not None:
+            untracked = sorted(set(given) - set(shadows))
+            if untracked:
+                raise ValueError(f"this EMA cannot track the model: the shadow has {untracked[:5]}, the model has not")
+            tied = sorted(name for name in shadows if shadows[name] is not given[name])
+            if tied:
+                raise ValueError(
+                    f"this EMA cannot track the model: the model ties {tied[:5]} to other tensors, the shadow does not"
+                )
+        return shadows, list(groups.values())
 
     def _shadow_dtype_for(self, dtype: torch.dtype) -> torch.dtype:
         if self.shadow_dtype is not None:
             return self.shadow_dtype
         return torch.float32 if dtype in _LOW_PRECISION else dtype
 
-    def _check_model(self, model: nn.Module | None) -> None:
-        if model is not None and model is not self._model and unwrap(model) is not self._model:
+    def _tracked(self, model: nn.Module | None) -> nn.Module:
+        """The module this EMA tracks, after checking that ``model`` (when given) is it; a copy tracks ``model``."""
+        tracked = self._model
+        if tracked is None:
+            if model is None:
+                raise RuntimeError(
+                    "this EMA is a copy (pickle or copy.deepcopy) and tracks no model yet: pass the model, as in "
+                    "ema.update(model) or ema.average_weights(model), or call ema.track(model)"
+                )
+            self.track(model)
+            return unwrap(model)
+        if model is not None and model is not tracked and unwrap(model) is not tracked:
             raise ValueError(
                 "this EMA was built for another model object; create a new EMA for this model "
                 "(or pass the same module, wrapped in DDP, DataParallel or torch.compile)"
             )
+        return tracked
+
+    # -- copies ---------------------------------------------------------------------------------------
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The module whose weights are averaged (unwrapped); ``None`` in a copy until it is given one."""
+        return self._model
+
+    def track(self, model: nn.Module) -> None:
+        """Give a copy (``pickle``, ``copy.deepcopy``) the model to average from now on; the model it tracks already
+        is accepted too, any other refused. The model's ``state_dict`` names, shapes and ties must be the shadow's; the
+        shadow keeps its own tensors, dtypes and devices (where they differ from the model's, each update stages the
+        live values, as at construction). ``update(model)`` and ``average_weights(model)`` call it for a copy."""
+        if self._model is not None:
+            self._tracked(model)
+            return
+        tracked = unwrap(model)
+        if any(is_sharded(p) for p in tracked.parameters()):
+            raise ValueError(
+                "a copy of an EMA cannot track a sharded (FSDP2) model: build EMA(model) on the sharded model and "
+                "load_state_dict the copy's state_dict() into it"
+            )
+        self._shadow, self._groups = self._build(tracked, self._shadow)
+        self._model = tracked
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``pickle`` and ``copy.deepcopy`` copy: the settings, the counters and the shadow (new storage in the
+        copy, tied tensors still one), not the model nor anything that refers to it: the copy tracks no model until it
+        is given one (``track``). Inside ``average_weights`` too: the copy's shadow is the average, and nothing is
+        swapped in it."""
+        if self.sharded:
+            raise TypeError(
+                "an EMA of a sharded (FSDP2) model cannot be pickled or copied: save its state_dict() with "
+                "torch.distributed.checkpoint and load it into EMA(model) of the sharded model"
+            )
+        return {**self.__dict__, "_model": None, "_groups": [], "_swap": None}
 
     @staticmethod
     def _checked_lives(group: _Group) -> list[torch.Tensor]:
@@ -234,7 +300,7 @@ class EMA:
         return lives
 
     def _live_groups(self, model: nn.Module | None) -> list[tuple[_Group, list[torch.Tensor]]]:
-        self._check_model(model)
+        self._tracked(model)
         return [(group, self._checked_lives(group)) for group in self._groups]
 
     # -- the update -----------------------------------------------------------------------------------
@@ -284,7 +350,7 @@ class EMA:
                 "there, so this would average the wrong way and the live weights would not come back; update after "
                 "the block ends"
             )
-        self._check_model(model)
+        self._tracked(model)
         step, self.step = self.step, self.step + 1
         copy = step < self.start_step
         if not copy and (step - self.start_step) % self.update_every:
@@ -329,12 +395,13 @@ class EMA:
         """
         self._check_share(stacklevel=2)
         if model is None or unwrap(model) is self._model:
+            tracked = self._tracked(model)
             if self._swap is not None:
                 raise RuntimeError(
                     "EMA.copy_to(model) inside EMA.average_weights: the model holds the average already and gets its "
                     "live weights back when the block ends; call copy_to after the block to keep the average"
                 )
-            reshard(self._model)
+            reshard(tracked)
             with torch.no_grad():
                 for group, lives in self._live_groups(model):
                     foreach_copy_(lives, group.shadows)
@@ -363,8 +430,9 @@ class EMA:
                 "EMA.export deep-copies the model, which FSDP2 forbids for a sharded one: load "
                 "ema.full_state_dict() (gathered once) into an unsharded instance of the model instead"
             )
+        tracked = self._tracked(None)
         self._check_share(stacklevel=2)
-        exported = deepcopy(self._model)
+        exported = deepcopy(tracked)
         self.copy_to(exported)
         return exported.eval()
 
@@ -397,16 +465,16 @@ class EMA:
         model's version counters tell, at no cost. Nested in another ``average_weights`` of this EMA, the block
         changes nothing: the model holds the average.
         """
-        target = self._model if model is None else model
+        tracked = self._tracked(model)
+        target = tracked if model is None else model
         if self._swap is not None:
-            self._check_model(model)
-            yield target  # type: ignore[misc]
+            yield target
             return
         self._check_share(stacklevel=3)  # through contextlib's __enter__
         swap = self._swap_in(model)
         self._swap = swap
         try:
-            yield target  # type: ignore[misc]
+            yield target
         finally:
             written = self._swap_out(swap)
             self._swap = None
@@ -420,7 +488,7 @@ class EMA:
             )
 
     def _swap_in(self, model: nn.Module | None) -> _Swap:
-        reshard(self._model)
+        reshard(self._tracked(model))
         with torch.no_grad():
             pairs = self._live_groups(model)
             backups = []
@@ -510,6 +578,25 @@ class EMA:
             f"EMA(decay={self.decay}, warmup={self.warmup}, tensors={tensors}, groups={len(self._groups)}, "
             f"step={self.step}, num_updates={self.num_updates})"
         )
+
+
+def _given_shadow(given: Mapping[str, torch.Tensor], name: str, live: torch.Tensor, claimed: set[int]) -> torch.Tensor:
+    """``given[name]``, the shadow of the model's tensor ``live``, once checked against it and against the shadows
+    ``claimed`` by other tensors of the model (which it joins)."""
+    if name not in given:
+        raise ValueError(f"this EMA cannot track the model: the model has {name!r}, the shadow has not")
+    shadow = given[name]
+    if id(shadow) in claimed:
+        raise ValueError(
+            f"this EMA cannot track the model: {name!r} is tied to another tensor in the shadow, not in the model"
+        )
+    claimed.add(id(shadow))
+    if shadow.shape != live.shape or shadow.is_floating_point() != live.is_floating_point():
+        raise ValueError(
+            f"this EMA cannot track the model: {name!r} is {tuple(shadow.shape)} {shadow.dtype} in the shadow, "
+            f"{tuple(live.shape)} {live.dtype} in the model"
+        )
+    return shadow
 
 
 def _versions(pairs: list[tuple[_Group, list[torch.Tensor]]]) -> list[list[int]]:

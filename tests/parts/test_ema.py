@@ -1,9 +1,10 @@
 """EMA: numerics (closed form, AveragedModel, warm-up, bf16), copy contract (no allocation, no graph, not a
-parameter), average_weights (bit-exact, bounded memory), state round trip and clear errors."""
+parameter), average_weights (bit-exact, bounded memory), state round trip, pickle and deepcopy, and clear errors."""
 
 from __future__ import annotations
 
 import copy
+import pickle
 import warnings
 
 import pytest
@@ -507,3 +508,119 @@ def test_initial_share_and_a_warning_when_a_mostly_initial_average_is_first_used
         with ramped.average_weights(model):
             pass
         ramped.copy_to(net())
+
+
+def user_net(device: str = "cpu") -> nn.Module:
+    """A user's network: BatchNorm, Dropout, and an output layer tied to the input layer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 16))
+    model[4].weight = model[0].weight
+    return model.to(device)
+
+
+def train_a_little(model: nn.Module, ema: EMA, steps: int = 3) -> None:
+    """A few steps of a training loop that changes every averaged tensor: parameters and BatchNorm statistics."""
+    model.train()
+    for _ in range(steps):
+        perturb(model)
+        with torch.no_grad():
+            model(torch.randn(8, 16, device=next(model.parameters()).device))
+        ema.update(model)
+
+
+COPIES = {"pickle": lambda ema: pickle.loads(pickle.dumps(ema)), "deepcopy": copy.deepcopy}
+
+
+@pytest.mark.parametrize("shadow_dtype", [None, torch.float64], ids=["shadow beside the model", "staged shadow"])
+@pytest.mark.parametrize("how", list(COPIES))
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_pickled_or_deep_copied_ema_is_independent_and_tracks_no_model_until_given_one(
+    device: str, how: str, shadow_dtype: torch.dtype | None
+) -> None:
+    model = user_net(device)
+    ema = EMA(model, decay=0.9, shadow_dtype=shadow_dtype)
+    train_a_little(model, ema)
+    copied = COPIES[how](ema)
+
+    # The same average and counters, in storage of its own; tied tensors still one.
+    assert same(copied.shadow, ema.shadow)
+    assert (copied.step, copied.num_updates) == (ema.step, ema.num_updates) == (3, 3)
+    theirs = [*ema.shadow.values(), *model.state_dict().values()]
+    assert not any(shares_storage(t, x) for t in copied.shadow.values() for x in theirs)
+    assert copied.shadow["0.weight"] is copied.shadow["4.weight"]
+
+    # No model travels: what needs one says so, what does not works.
+    assert copied.model is None and ema.model is model
+    for needs_a_model in (copied.update, copied.copy_to, copied.export, lambda: copied.average_weights().__enter__()):
+        with pytest.raises(RuntimeError, match=r"is a copy .* and tracks no model yet: pass the model"):
+            needs_a_model()
+    fresh = user_net(device)
+    copied.copy_to(fresh)  # another model, by name
+    assert same(fresh.state_dict(), {k: v.to(fresh.state_dict()[k].dtype) for k, v in ema.shadow.items()})
+    assert copied.state_dict()["shadow"]["0.weight"] is copied.shadow["0.weight"]
+
+    # Given the model, it averages as the original does, and an update of either never reaches the other.
+    perturb(model)
+    ema.update(model)
+    copied.update(model)  # tracks the model from here on
+    assert copied.model is model and same(copied.shadow, ema.shadow)
+    before = cloned(ema.shadow)
+    perturb(model)
+    copied.update(model)
+    assert same(ema.shadow, before) and not same(copied.shadow, before)
+    after = cloned(copied.shadow)
+    ema.update(model)
+    assert same(copied.shadow, after) and not same(ema.shadow, before)
+    live = cloned(model.state_dict())
+    with copied.average_weights(model):
+        assert same(model.state_dict(), {k: v.to(model.state_dict()[k].dtype) for k, v in after.items()})
+    assert same(model.state_dict(), live)
+
+    # The controls: the EMA's state as it is (weak references to the buffers' owners) is what pickle refused; a copy
+    # that shares the shadow's storage (copy.copy) writes into the original's average.
+    with pytest.raises(TypeError, match="weakref"):
+        pickle.dumps(ema.__dict__)
+    shallow = copy.copy(ema)
+    assert all(shares_storage(t, ema.shadow[k]) for k, t in shallow.shadow.items())
+    before = cloned(ema.shadow)
+    perturb(model)
+    shallow.update(model)
+    assert not same(ema.shadow, before)
+
+
+def test_a_copy_tracks_only_a_model_with_the_shadows_names_shapes_and_ties() -> None:
+    model = user_net()
+    ema = EMA(model)
+    copied = copy.deepcopy(ema)
+    with pytest.raises(ValueError, match="another model"):
+        ema.track(user_net())  # the original tracks its model already
+    ema.track(model)  # the same one: accepted
+    with pytest.raises(
+        ValueError, match=r"cannot track the model: '0.weight' is \(16, 16\) torch.float32 in the shadow, "
+    ):
+        copied.track(nn.Sequential(nn.Linear(16, 8)))
+    untied = user_net()
+    untied[4].weight = nn.Parameter(untied[0].weight.detach().clone())
+    with pytest.raises(ValueError, match=r"'4\.weight' is tied to another tensor in the shadow, not in the model"):
+        copied.track(untied)
+    with pytest.raises(
+        ValueError, match=r"the shadow has \['1.bias', '1.num_batches_tracked', .*\], the model has not"
+    ):
+        copied.track(nn.Sequential(nn.Linear(16, 16)))
+    assert copied.model is None  # a refused model is not tracked
+    with pytest.raises(ValueError, match=r"the model ties \['4.weight'\] to other tensors, the shadow does not"):
+        copy.deepcopy(EMA(untied)).track(model)
+    copied.track(model)
+    assert copied.model is model
+
+
+def test_a_copy_taken_inside_average_weights_holds_the_average_and_is_not_swapped() -> None:
+    model, ema, live, average = swapped_pair()
+    with ema.average_weights(model):
+        copied = copy.deepcopy(ema)
+        pickled = pickle.loads(pickle.dumps(ema))
+    for other in (copied, pickled):
+        assert not other.swapped and same(other.shadow, average)
+        other.update(model)  # the live weights, back after the block
+        assert not same(other.shadow, average)
+    assert same(model.state_dict(), live) and same(ema.shadow, average)
