@@ -5,6 +5,7 @@ Adapters:
     EMACallback          an EMA of the module, updated per optimizer step, evaluated, checkpointed
     ResumeState          every rank's RNG states, recipe and seed in checkpoints; exact resume
     check_checkpoint     raises ``ValueError`` unless a checkpoint was stamped with this recipe and seed
+    IsolatedEvaluation   each validation in ``fit`` leaves torch's generators as training left them
     RunSummary           writes ``summary.json`` (final metrics, recipe, seed)
     DataWaitMonitor      samples per second and the share of time spent waiting for batches
     AtomicCheckpointIO   checkpoints streamed to a file beside the target and renamed over it
@@ -20,6 +21,7 @@ from copy_correct.lightning.atomic_sharded_checkpoint import AtomicModelParallel
 from copy_correct.lightning.data_wait import DataWaitMonitor
 from copy_correct.lightning.ema_callback import EMACallback
 from copy_correct.lightning.graph_guard import GraphRetentionCallback
+from copy_correct.lightning.isolated_evaluation import IsolatedEvaluation
 from copy_correct.lightning.resume import ResumeState, check_checkpoint
 from copy_correct.lightning.run_summary import RunSummary
 from copy_correct.lightning.step_probe import StepProbe
@@ -30,6 +32,7 @@ __all__ = [
     "DataWaitMonitor",
     "EMACallback",
     "GraphRetentionCallback",
+    "IsolatedEvaluation",
     "ResumeState",
     "RunSummary",
     "StepProbe",

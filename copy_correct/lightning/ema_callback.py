@@ -12,7 +12,12 @@ reaches the average.
 * ``evaluate="both"`` (default): each validation (and test) epoch runs twice, first with the EMA weights,
   logging every metric the module logs under its name plus ``suffix`` (``val/acc`` -> ``val/acc_ema``),
   then with the live weights as usual. The EMA pass runs without the other callbacks, so checkpointing,
-  early stopping and the progress bar act once, on the live pass, and see both sets of metrics.
+  early stopping and the progress bar act once, on the live pass, and see both sets of metrics. Both sets go where
+  Lightning puts an evaluation's results: ``trainer.validate`` and ``trainer.test`` return them in one dict per
+  dataloader and print them in one table, and the loggers get each epoch's in one call (one row of ``CSVLogger``'s
+  ``metrics.csv``): the EMA pass's epoch-end metrics are held back and logged with the live pass's. This goes through
+  two of Lightning 2.6's internals, the logger connector's ``log_eval_end_metrics`` and the evaluation loop's
+  ``_print_results``. Metrics logged with ``on_step=True`` still get a row per pass and batch.
   ``"ema"``: evaluate with the EMA weights only, under the module's own names. ``"live"``: no EMA evaluation.
 * ``checkpoint_weights="ema"`` (default): a checkpoint's weights (``state_dict``) are the average, so
   ``MyModule.load_from_checkpoint(path)`` returns the averaged model, as Lightning's ``EMAWeightAveraging`` does; the
@@ -30,7 +35,15 @@ reaches the average.
   with every callback present even while the ``"both"`` pass silences them. An exception in a pass, or
   ``KeyboardInterrupt``, restores the live weights before Lightning's ``on_exception`` hooks
   (``OnExceptionCheckpoint``) run. To keep the EMA weights as a model, use ``callback.ema.export()``.
-* ``ema_weights_at_end=True`` writes the EMA weights into the module when ``fit`` ends.
+* After ``fit`` (and ``validate``, ``test``), ``teardown`` takes the evaluation wrappers away but leaves the save
+  wrapper in the trainer, so ``trainer.save_checkpoint`` then holds what a save during ``fit`` holds: weights-only, the
+  average (``"live"``: the live weights); a full checkpoint, what one saved as ``fit`` ended holds (the average as the
+  weights, the module's weights as the live ones, the EMA state), from which ``ckpt_path=`` trains on.
+* ``ema_weights_at_end=True`` writes the EMA weights into the module when ``fit`` ends; a checkpoint saved after that
+  holds the average as the live weights too (the live weights it replaced are kept nowhere).
+* ``pickle`` and ``copy.deepcopy`` copy the callback without the trainer, the wrappers ``setup`` installed or an
+  evaluation in progress; its EMA is copied as ``copy_correct.ema`` says (the average in new storage, no model), and
+  the next ``fit``, ``validate`` or ``test`` gives it the module.
 * Under DDP every rank keeps its own EMA. Parameters are identical across ranks after each step, but
   BatchNorm statistics are not (each rank's forward updates its own; DDP copies rank 0's only at the next
   forward), so before each update the callback broadcasts rank 0's floating buffers, as DDP would: the
@@ -52,6 +65,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
+from itertools import zip_longest
 from typing import Any
 
 import lightning.pytorch as pl
@@ -107,7 +121,7 @@ class EMACallback(pl.Callback):
             "shadow_dtype": shadow_dtype,
             "device": device,
         }
-        EMA(torch.nn.Linear(1, 1), **self._ema_kwargs)  # fail now, not at the first step, on bad arguments
+        EMA(torch.nn.BatchNorm1d(1), **self._ema_kwargs)  # bad arguments fail now; no random init drawn
         self.evaluate = evaluate
         self.suffix = suffix
         self.checkpoint_weights = checkpoint_weights
@@ -115,7 +129,7 @@ class EMACallback(pl.Callback):
         self.ema: EMA | None = None
         self._pending: dict[str, Any] | None = None
         self._last_step = 0
-        self._wrapped: list[tuple[Any, str]] = []  # (object, attribute) that setup shadowed with a wrapper
+        self._wrapped: list[Any] = []  # the evaluation loops whose run setup wrapped, for teardown
         self._pass: _EMAPass | None = None  # the EMA evaluation in progress
         self._trainer: pl.Trainer | None = None
         self._broadcast: list[tuple[TensorRefs, torch.Tensor, list[torch.Tensor]]] | None = None
@@ -130,50 +144,71 @@ class EMACallback(pl.Callback):
             if self._pending is not None:
                 self._load(self.ema, self._pending)
                 self._pending = None
+        elif self.ema.model is None:  # a copy of this callback: its EMA's copy averages this module from now on
+            self.ema.track(pl_module)
         return self.ema
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``pickle`` and ``copy.deepcopy`` copy: the settings, the step and the EMA (a copy that tracks no model
+        until the next ``fit``, ``validate`` or ``test`` gives it the module: ``copy_correct.ema``), not the trainer,
+        the wrappers ``setup`` installed in it, nor an evaluation in progress."""
+        return {**self.__dict__, "_trainer": None, "_wrapped": [], "_pass": None, "_broadcast": None}
 
     # -- wiring the evaluation passes -------------------------------------------------------------------
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._trainer = trainer
-        self._wrap(trainer, "save_checkpoint", self._save_outside_the_pass)
+        if "save_checkpoint" not in vars(trainer):  # kept after teardown: saves after fit hold what saves in it hold
+            trainer.save_checkpoint = self._save_outside_the_pass(trainer.save_checkpoint)  # type: ignore[method-assign]
         if self.evaluate == "live":
             return
         for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop):
-            self._wrap(loop, "run", lambda run: self._evaluate_with_ema(trainer, pl_module, run))
-
-    def _wrap(self, owner: Any, name: str, wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-        if name not in vars(owner):  # not wrapped yet
-            setattr(owner, name, wrapper(getattr(owner, name)))
-            self._wrapped.append((owner, name))
+            if "run" not in vars(loop):  # not wrapped yet
+                loop.run = self._evaluate_with_ema(trainer, pl_module, loop, loop.run)  # type: ignore[method-assign]
+                self._wrapped.append(loop)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        for owner, name in self._wrapped:
-            delattr(owner, name)  # back to the class's method
+        for loop in self._wrapped:
+            del loop.run  # back to the class's method
         self._wrapped.clear()
 
     def _evaluate_with_ema(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, run: Callable[[], Any]
-    ) -> Callable[[], Any]:
-        def run_with_ema() -> Any:
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loop: Any, run: Callable[[], list[dict[str, Any]]]
+    ) -> Callable[[], list[dict[str, Any]]]:
+        def run_with_ema() -> list[dict[str, Any]]:
             if trainer.sanity_checking:
                 return run()
             ema = self._ensure_ema(pl_module)
-            both = self.evaluate == "both"
-            self._pass = _EMAPass(trainer, pl_module, ema, self.suffix if both else None)
+            if self.evaluate == "ema":
+                return self._run_pass(_EMAPass(trainer, pl_module, ema, None), run)
+            connector = trainer._logger_connector
+            verbose, loop.verbose = loop.verbose, False  # one table, of both passes, below
             try:
-                with self._pass:
-                    result = run()
+                with _held_back(connector) as held:
+                    averaged = self._run_pass(_EMAPass(trainer, pl_module, ema, self.suffix), run)
+                with _logged_with(connector, held):
+                    live = run()
             finally:
-                self._pass = None
-            return run() if both else result
+                loop.verbose = verbose
+            results = [{**one, **other} for one, other in zip_longest(live, averaged, fillvalue={})]
+            if verbose and trainer.is_global_zero:
+                loop._print_results(results, loop._stage.value)
+            return results
 
         return run_with_ema
+
+    def _run_pass(self, ema_pass: _EMAPass, run: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+        self._pass = ema_pass
+        try:
+            with ema_pass:
+                return run()
+        finally:
+            self._pass = None
 
     def _save_outside_the_pass(self, save: Callable[..., None]) -> Callable[..., None]:
         """``trainer.save_checkpoint``, which during an EMA pass saves with the live weights in the module; a
         weights-only save with ``checkpoint_weights="ema"`` saves with the average in it (Lightning calls no callback
-        hook for those, and they are for inference)."""
+        hook for those, and they are for inference), after ``fit`` too: ``teardown`` leaves this wrapper in place."""
 
         def save_checkpoint(filepath: Any, weights_only: bool | None = None, *args: Any, **kwargs: Any) -> None:
             with ExitStack() as stack:
@@ -418,6 +453,33 @@ def _suffixed_logging(pl_module: pl.LightningModule, suffix: str) -> Iterator[No
         yield
     finally:
         del pl_module.log
+
+
+@contextmanager
+def _held_back(connector: Any) -> Iterator[dict[str, Any]]:
+    """The epoch-end metrics of the EMA pass, kept from the loggers (Lightning's ``log_eval_end_metrics``, the one
+    call that logs an evaluation epoch's metrics, only collects them here)."""
+    held: dict[str, Any] = {}
+    connector.log_eval_end_metrics = held.update
+    try:
+        yield held
+    finally:
+        del connector.log_eval_end_metrics
+
+
+@contextmanager
+def _logged_with(connector: Any, held: Mapping[str, Any]) -> Iterator[None]:
+    """The live pass's epoch-end metrics logged with ``held`` beside them, in one call: one row of ``metrics.csv``."""
+    log = connector.log_eval_end_metrics
+
+    def log_both(metrics: Mapping[str, Any]) -> None:
+        log({**metrics, **held})
+
+    connector.log_eval_end_metrics = log_both
+    try:
+        yield
+    finally:
+        del connector.log_eval_end_metrics
 
 
 @contextmanager

@@ -2,45 +2,50 @@
 whose run it is.
 
 Lightning's checkpoint holds the module, the optimizers, the loop counters and each callback's state, but
-not the global random number generators: a resumed run would draw other dropout masks and other noise than
-the run it continues. This callback adds them, with the recipe name and seed the run was started with.
+not the global random number generators nor where the training data order stands: a resumed run would draw other
+dropout masks and other noise than the run it continues, and, from a plain shuffled ``DataLoader``, other batches.
+This callback adds both; with the recipe name and seed the run was started with when it is given them (``train.py``
+does; a user's own Trainer takes ``ResumeState()``).
 
-* ``state_dict()`` (taken when a checkpoint is written) holds ``recipe``, ``seed`` and, under ``rng``, one
-  entry per rank: the states of torch's CPU generator, the current CUDA device's generator (when CUDA is in
-  use), NumPy's global generator and Python's ``random``. Tensors, numbers, strings and tuples only, so the
-  checkpoint loads with ``torch.load(..., weights_only=True)``. Lightning takes every rank's checkpoint state
-  and writes rank 0's, so under a multi-process strategy the ranks' states are gathered to every rank first
-  (one ``all_gather_object``): ranks draw different numbers where a recipe seeds them apart (the ``gan``
-  recipe does), and one rank's states restored on all would make them draw alike after a resume.
-* ``load_state_dict`` refuses another recipe's or seed's checkpoint (``ValueError``) and keeps the generator
+* ``state_dict()`` (taken when a checkpoint is written) holds ``recipe``, ``seed`` (``None`` without them) and, one
+  entry per rank, under ``rng`` the states of torch's CPU generator, the current CUDA device's generator (when CUDA
+  is in use), NumPy's global generator and Python's ``random``, and under ``data_order`` the training loaders'
+  order (``TrainDataOrder``, in ``resume_data_order``). Tensors, numbers, strings and tuples only, so the checkpoint
+  loads with ``torch.load(..., weights_only=True)``. Lightning takes every rank's checkpoint state and writes rank
+  0's, so under a multi-process strategy the ranks' states are gathered to every rank first (one
+  ``all_gather_object``): ranks draw different numbers where a recipe seeds them apart (the ``gan`` recipe does),
+  and one rank's states restored on all would make them draw alike after a resume.
+* ``load_state_dict``, given a recipe, refuses another recipe's or seed's checkpoint (``ValueError``); it keeps the
   states until ``on_train_start``, after the resumed run is built and sanity-checked (both may draw from the
-  generators) and before its first epoch starts, as the uninterrupted run's next one did after the checkpoint.
-  Each rank then takes its own entry. A rank the checkpoint has no entry for (resumed on more processes than
-  it was written by) keeps its fresh states, with a warning that the resume is not bit-exact.
+  generators) and before its first epoch starts, as the uninterrupted run's next one did after the checkpoint. Each
+  rank then takes its own entry, and the data order is restored (see ``resume_data_order``: mid-epoch, the rest of
+  the interrupted epoch is replayed). A rank the checkpoint has no entry for (resumed on more processes than it was
+  written by) keeps its fresh states, with a warning that the resume is not bit-exact.
 * ``check_checkpoint(path, recipe, seed)`` reads the same stamp from a file (loaded memory-mapped,
   ``weights_only=True``), or from a distributed checkpoint's ``meta.pt`` (the directory Lightning's
   ``ModelParallelStrategy`` writes: the shards through ``torch.distributed.checkpoint``, everything else in
   ``meta.pt``), so a wrong ``ckpt_path`` is refused before anything is built.
 
-The rest of a run's state belongs to whoever owns it: the data module keeps its shuffle generator's state,
-a module its environment, replay buffer and generators of its own. Resumption is exact from checkpoints
-taken where that state is complete: at the end of an epoch for a shuffled ``DataLoader`` (Lightning starts a
-plain loader's epoch over), after any batch for a loader whose items are only a clock.
+The rest of a run's state belongs to whoever owns it: a module its environment, replay buffer and generators of its
+own, a data module whatever it keeps besides its loaders' generators. Resumption is then exact from checkpoints taken
+anywhere in an epoch; what stays inexact (draws inside ``DataLoader`` workers after a mid-epoch resume, persistent
+workers, loaders that cannot be instrumented) is listed in ``resume_data_order``.
 """
 
 from __future__ import annotations
 
-import random
 import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
+
+from copy_correct.lightning.resume_data_order import TrainDataOrder
+from copy_correct.lightning.rng_state import get_rng_state, set_rng_state
 
 __all__ = [
     "DISTRIBUTED_METADATA",
@@ -53,31 +58,10 @@ __all__ = [
 DISTRIBUTED_METADATA = "meta.pt"  # Lightning's name for the non-tensor part of a distributed checkpoint directory
 
 
-def get_rng_state() -> dict[str, Any]:
-    """The global generators' states: torch CPU, CUDA (current device, when initialised), NumPy, Python."""
-    _, key, pos, has_gauss, cached_gaussian = np.random.get_state(legacy=True)
-    state: dict[str, Any] = {
-        "torch": torch.get_rng_state(),
-        "numpy": {"key": torch.from_numpy(key.astype(np.int64)), "pos": pos, "gauss": (has_gauss, cached_gaussian)},
-        "python": random.getstate(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def set_rng_state(state: Mapping[str, Any]) -> None:
-    """Restore what ``get_rng_state`` returned (the CUDA state only where CUDA is available)."""
-    torch.set_rng_state(state["torch"])
-    numpy = state["numpy"]
-    np.random.set_state(("MT19937", numpy["key"].numpy().astype(np.uint32), numpy["pos"], *numpy["gauss"]))
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
 def _check_owner(state: Mapping[str, Any], recipe: str, seed: int | None) -> None:
     theirs = state["recipe"]
+    if theirs is None:
+        raise ValueError(f"it holds a run of no recipe (a ResumeState without one), not of {recipe!r}")
     if theirs != recipe:
         raise ValueError(f"it holds a run of recipe {theirs!r}, not {recipe!r}: resume it with +recipe={theirs}")
     if state["seed"] != seed:
@@ -108,38 +92,55 @@ def check_checkpoint(path: str | Path, recipe: str, seed: int | None) -> None:
 
 
 class ResumeState(pl.Callback):
-    """Stamps checkpoints with ``recipe`` and ``seed`` and every rank's global generator states; restores each
-    rank's own."""
+    """Every rank's global generator states and training data order in each checkpoint, restored on resume; with a
+    ``recipe`` (``train.py`` passes it and the ``seed``), the checkpoints are stamped and another run's are refused.
+    A user's own Trainer needs no arguments: ``ResumeState()``."""
 
-    def __init__(self, recipe: str, seed: int | None) -> None:
+    def __init__(self, recipe: str | None = None, seed: int | None = None) -> None:
         self.recipe = recipe
         self.seed = seed
+        self.data_order = TrainDataOrder()
         self._trainer: pl.Trainer | None = None
-        self._pending_rng: list[Mapping[str, Any]] | None = None
+        self._pending: tuple[list[Mapping[str, Any]], list[Any] | None] | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._trainer = trainer
+        self._pending = None  # a state loaded by an earlier trainer.validate(ckpt_path=...) is not this fit's
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.data_order.teardown()
 
     def state_dict(self) -> dict[str, Any]:
-        own = get_rng_state()
+        own = (get_rng_state(), self.data_order.state_dict(self._trainer))
         ranks: list[Any] = [own]
         if self._trainer is not None and self._trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
             ranks = [None] * dist.get_world_size()
             dist.all_gather_object(ranks, own)
-        return {"recipe": self.recipe, "seed": self.seed, "rng": ranks}
+        return {
+            "recipe": self.recipe, "seed": self.seed,
+            "rng": [rng for rng, _ in ranks], "data_order": [order for _, order in ranks],
+        }  # fmt: skip
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        _check_owner(state_dict, self.recipe, self.seed)
-        self._pending_rng = state_dict["rng"]
+        if self.recipe is not None:
+            _check_owner(state_dict, self.recipe, self.seed)
+        self._pending = (state_dict["rng"], state_dict.get("data_order"))  # none in a checkpoint of an older version
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._pending_rng is None:
-            return
-        saved, self._pending_rng = self._pending_rng, None
-        if trainer.world_size > len(saved):
-            rank_zero_warn(
-                f"the checkpoint holds generator states for {len(saved)} process(es), this run has "
-                f"{trainer.world_size}: ranks {len(saved)} and above keep fresh ones, so the resume is not bit-exact"
-            )
-        if trainer.global_rank < len(saved):
-            set_rng_state(saved[trainer.global_rank])
+        pending, self._pending = self._pending, None
+        order = None
+        if pending is not None:
+            saved, orders = pending
+            if trainer.world_size > len(saved):
+                rank_zero_warn(
+                    f"the checkpoint holds generator states for {len(saved)} process(es), this run has "
+                    f"{trainer.world_size}: ranks {len(saved)} and above keep fresh ones, so the resume is not "
+                    "bit-exact"
+                )
+            if trainer.global_rank < len(saved):
+                set_rng_state(saved[trainer.global_rank])
+                order = orders[trainer.global_rank] if orders is not None else None
+        self.data_order.on_train_start(trainer, order)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.data_order.instrument(trainer)  # loaders reloaded for this epoch (reload_dataloaders_every_n_epochs)

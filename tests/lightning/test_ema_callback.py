@@ -1,11 +1,15 @@
-"""EMACallback in real Trainers: per-optimizer-step updates, EMA evaluation beside live, checkpoints, DDP."""
+"""EMACallback in real Trainers: per-optimizer-step updates, EMA evaluation beside live (in what ``validate`` and
+``test`` return and in one row of ``metrics.csv``), checkpoints (after ``fit`` too), copies, DDP."""
 
 from __future__ import annotations
 
+import copy
+import csv
+import pickle
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -14,11 +18,16 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, OnExceptionCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from copy_correct import EMA
-from copy_correct.lightning import EMACallback
+from copy_correct.lightning import EMACallback, IsolatedEvaluation
+from copy_correct.lightning.ema_callback import _EMAPass
+from copy_correct.probes import shares_storage
+from tests.conftest import DEVICES
+from tests.lightning import test_isolated_evaluation as isolation
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -107,6 +116,9 @@ def test_evaluate_modes(evaluate: str, expected: str, tmp_path: Path) -> None:
     assert ema.ema is not None
     value = ema.ema.shadow["net.0.weight"].sum() if expected == "shadow" else module.net[0].weight.sum().detach()
     torch.testing.assert_close(t.callback_metrics["val/weight_sum"], value)
+    (returned,) = t.validate(module, loader(64), verbose=False)  # under the module's own names, one set
+    assert set(returned) == {"val/loss", "val/weight_sum"}
+    assert returned["val/weight_sum"] == pytest.approx(value.item())
 
 
 def test_ema_weights_at_end(tmp_path: Path) -> None:
@@ -410,6 +422,15 @@ def test_bad_arguments_fail_at_construction() -> None:
         EMACallback(decay=1.5)
 
 
+def test_constructing_the_callback_draws_nothing_from_the_global_random_generator() -> None:
+    """So a module built after it, after seeding, starts from the weights it would have without the callback."""
+    state = torch.get_rng_state()
+    EMACallback(decay=0.9)
+    assert torch.equal(torch.get_rng_state(), state)
+    nn.Linear(1, 1)  # the control: the module the callback built to check its arguments draws its weights
+    assert not torch.equal(torch.get_rng_state(), state)
+
+
 class Clocked(Regressor):
     """Each batch is drawn from (epoch, batch index), which Lightning restores on resume, so a run resumed mid-epoch
     sees the batches the uninterrupted one saw (a plain DataLoader would start the epoch's data over)."""
@@ -539,3 +560,352 @@ def test_a_checkpoint_of_the_average_resumed_without_the_callback_trains_on_from
     with pytest.warns(UserWarning, match=r"Please add the following callbacks: \[.*\"EMACallback\{"):
         t.fit(resumed, loader(), ckpt_path=path)
     assert same(resumed.state_dict(), average) and not same(resumed.state_dict(), module.state_dict())
+
+
+class Classifier(pl.LightningModule):
+    """A user's own classifier, written as Lightning's docs write one: BatchNorm, Dropout, loss and accuracy logged
+    per validation and test epoch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.3), nn.Linear(32, 3))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+    def evaluate(self, batch: Any, stage: str) -> None:
+        x, y = batch
+        logits = self.net(x)
+        self.log(f"{stage}/loss", nn.functional.cross_entropy(logits, y))
+        self.log(f"{stage}/acc", (logits.argmax(1) == y).float().mean())
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.evaluate(batch, "val")
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self.evaluate(batch, "test")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.3, momentum=0.9)
+
+
+def labelled(n: int = 96) -> DataLoader:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(n, 8, generator=generator)
+    return DataLoader(TensorDataset(x, (x[:, 0] > 0).long() + (x[:, 1] > 0).long()), batch_size=16)
+
+
+def before_the_fix(
+    self: EMACallback, trainer: pl.Trainer, pl_module: pl.LightningModule, loop: Any, run: Callable[[], Any]
+) -> Callable[[], Any]:
+    """The control: evaluation as it was before the fix, returning the live pass's results, each pass logging its
+    own row."""
+
+    def run_with_ema() -> Any:
+        if trainer.sanity_checking:
+            return run()
+        self._run_pass(_EMAPass(trainer, pl_module, self._ensure_ema(pl_module), self.suffix), run)
+        return run()
+
+    return run_with_ema
+
+
+Evaluated = tuple[list[dict[str, float]], list[dict[str, float]], list[dict[str, str]], Classifier, EMACallback]
+
+
+def evaluate_with_a_csv_logger(directory: Path) -> Evaluated:
+    """A user's classifier fitted for 2 epochs with validation, then validated and tested: what ``validate`` and
+    ``test`` return, and the rows of ``metrics.csv``."""
+    pl.seed_everything(0)
+    ema = EMACallback(decay=0.9)
+    module = Classifier()
+    t = trainer(directory, [ema], logger=CSVLogger(directory))
+    t.fit(module, labelled(), labelled(48))
+    validated = t.validate(module, labelled(48), verbose=False)
+    tested = t.test(module, labelled(48), verbose=False)
+    with open(Path(t.log_dir or directory) / "metrics.csv") as file:
+        return validated, tested, list(csv.DictReader(file)), module, ema
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Evaluated]:
+    runs = {"fixed": evaluate_with_a_csv_logger(tmp_path_factory.mktemp("fixed"))}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(EMACallback, "_evaluate_with_ema", before_the_fix)
+        runs["before the fix"] = evaluate_with_a_csv_logger(tmp_path_factory.mktemp("before"))
+    return runs
+
+
+def test_validate_and_test_return_the_ema_metrics_beside_the_live_ones(
+    evaluated: dict[str, Evaluated], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    validated, tested, _, module, ema = evaluated["fixed"]
+    assert [set(d) for d in validated] == [{"val/loss", "val/acc", "val/loss_ema", "val/acc_ema"}]
+    assert [set(d) for d in tested] == [{"test/loss", "test/acc", "test/loss_ema", "test/acc_ema"}]
+    assert ema.ema is not None
+    plain = trainer(tmp_path, [])  # what the live weights and the average give when each is validated on its own
+    (live,) = plain.validate(module, labelled(48), verbose=False)
+    (average,) = plain.validate(ema.ema.export(), labelled(48), verbose=False)
+    assert live != average
+    assert validated == [{**live, **{f"{name}_ema": value for name, value in average.items()}}]
+
+    trainer(tmp_path, [ema]).validate(module, labelled(48))  # verbose: Lightning prints one table, of both passes
+    printed = capsys.readouterr().out
+    assert printed.count("Validate metric") == 1 and "val/acc_ema" in printed and "val/loss " in printed
+
+    validated, tested, *_ = evaluated["before the fix"]  # the control: only the live pass's metrics come back
+    assert [set(d) for d in validated] == [{"val/loss", "val/acc"}]
+    assert [set(d) for d in tested] == [{"test/loss", "test/acc"}]
+
+
+def test_each_evaluation_epoch_logs_the_live_and_the_ema_metrics_in_one_row_of_metrics_csv(
+    evaluated: dict[str, Evaluated],
+) -> None:
+    def evaluation_rows(rows: list[dict[str, str]], stage: str) -> list[list[str]]:
+        names = [f"{stage}/loss", f"{stage}/acc", f"{stage}/loss_ema", f"{stage}/acc_ema"]
+        return [[name for name in names if row[name]] for row in rows if any(row[name] for name in names)]
+
+    _, _, rows, *_ = evaluated["fixed"]
+    both = ["val/loss", "val/acc", "val/loss_ema", "val/acc_ema"]
+    assert evaluation_rows(rows, "val") == [both] * 3  # 2 epochs of fit, then validate()
+    assert evaluation_rows(rows, "test") == [["test/loss", "test/acc", "test/loss_ema", "test/acc_ema"]]
+
+    _, _, rows, *_ = evaluated["before the fix"]  # the control: the EMA pass's row, then the live pass's
+    assert evaluation_rows(rows, "val") == [["val/loss_ema", "val/acc_ema"], ["val/loss", "val/acc"]] * 3
+
+
+def saves_after_fit(directory: Path, checkpoint_weights: str) -> dict[str, str]:
+    """A user's classifier fitted, then saved with ``trainer.save_checkpoint`` (weights-only and full) after the fit,
+    after a ``validate`` and after a second ``fit`` of the same trainer: what each save holds (``verdict``)."""
+    pl.seed_everything(0)
+    ema = EMACallback(decay=0.9, checkpoint_weights=checkpoint_weights)
+    truth = Truth(ema)
+    module = Classifier()
+    t = trainer(directory, [ema, truth], max_epochs=1)
+    verdicts = {}
+
+    def save(when: str) -> None:
+        for weights_only in (True, False):
+            path = directory / f"{when}-{weights_only}.ckpt"
+            t.save_checkpoint(path, weights_only=weights_only)
+            verdicts[f"{when}, weights only" if weights_only else when] = verdict(path, truth, ema.state_key)
+
+    t.fit(module, labelled(), labelled(48))
+    save("after fit")
+    t.validate(module, labelled(48), verbose=False)
+    save("after validate")
+    t.fit_loop.max_epochs = 2
+    t.fit(module, labelled(), labelled(48))
+    assert t.global_step == 12
+    save("after a second fit")
+    return verdicts
+
+
+@pytest.mark.parametrize("checkpoint_weights", ["ema", "live"])
+def test_every_save_after_fit_holds_what_a_save_during_it_holds(
+    checkpoint_weights: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    verdicts = saves_after_fit(tmp_path / "fixed", checkpoint_weights)
+    assert verdicts == {
+        **{f"after {when}, weights only": "right (weights only)" for when in ("fit", "validate", "a second fit")},
+        **{f"after {when}": "right" for when in ("fit", "validate", "a second fit")},
+    }
+    if checkpoint_weights == "live":
+        return  # a weights-only save of the live weights needs no wrapper: the control would not differ
+
+    teardown = EMACallback.teardown
+
+    def teardown_before_the_fix(
+        self: EMACallback, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str
+    ) -> None:
+        teardown(self, trainer, pl_module, stage)
+        del trainer.save_checkpoint  # the save wrapper went with the evaluation wrappers
+
+    monkeypatch.setattr(EMACallback, "teardown", teardown_before_the_fix)
+    verdicts = saves_after_fit(tmp_path / "control", checkpoint_weights)
+    assert {when for when, held in verdicts.items() if held != "right"} == {
+        f"after {when}, weights only" for when in ("fit", "validate", "a second fit")
+    }
+    assert {verdicts[f"after {when}, weights only"] for when in ("fit", "a second fit")} == {
+        "weights only: not the expected weights"
+    }
+
+
+def test_after_fit_with_ema_weights_at_end_every_save_holds_the_average_also_as_the_live_weights(
+    tmp_path: Path,
+) -> None:
+    """The module holds the average once ``fit`` ends, so a full save then holds it as the live weights too: a run
+    resumed from it trains on from the average (the live weights it replaced are gone)."""
+    pl.seed_everything(0)
+    ema = EMACallback(decay=0.9, ema_weights_at_end=True)
+    truth = Truth(ema)
+    t = trainer(tmp_path, [ema, truth], max_epochs=1)
+    t.fit(Classifier(), labelled())
+    assert ema.ema is not None
+    average = {k: v.clone() for k, v in ema.ema.shadow.items()}
+    full, weights = tmp_path / "full.ckpt", tmp_path / "weights.ckpt"
+    t.save_checkpoint(full)
+    t.save_checkpoint(weights, weights_only=True)
+    saved = torch.load(full, weights_only=True)
+    ours = saved["callbacks"][ema.state_key]
+    assert same(saved["state_dict"], average) and same(ours["live"], average) and same(ours["ema"]["shadow"], average)
+    assert same(torch.load(weights, weights_only=True)["state_dict"], average)
+    assert not same(truth.at[t.global_step][0], average)  # the live weights at the end of training: not saved
+
+
+def fit_and_save_after(directory: Path, max_epochs: int, ckpt_path: Path | None = None) -> tuple[State, State]:
+    pl.seed_everything(0)
+    ema = EMACallback(decay=0.9, evaluate="ema")
+    module = Regressor()
+    t = trainer(directory, [ema], max_epochs=max_epochs)
+    t.fit(module, loader(), loader(64), ckpt_path=ckpt_path)
+    t.save_checkpoint(directory / "after-fit.ckpt")
+    assert ema.ema is not None
+    return module.state_dict(), dict(ema.ema.shadow)
+
+
+def test_a_run_resumed_from_a_save_after_fit_ends_as_the_uninterrupted_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    straight = fit_and_save_after(tmp_path / "straight", 4)
+    fit_and_save_after(tmp_path / "first", 2)
+    resumed = fit_and_save_after(tmp_path / "resumed", 4, ckpt_path=tmp_path / "first" / "after-fit.ckpt")
+    assert same(resumed[0], straight[0]) and same(resumed[1], straight[1])
+
+    # The control: a resume that leaves the checkpoint's weights (the average) in the module trains on from them.
+    monkeypatch.setattr(EMACallback, "on_load_checkpoint", lambda *args: None)
+    control = fit_and_save_after(tmp_path / "control", 4, ckpt_path=tmp_path / "first" / "after-fit.ckpt")
+    assert not same(control[0], straight[0]) and not same(control[1], straight[1])
+
+
+class CopiesDuringFit(pl.Callback):
+    """Copies the EMACallback at the end of the first training epoch: after setup, with the trainer's wrappers in
+    place and the EMA tracking the module."""
+
+    def __init__(self, ema: EMACallback, copy_of: Callable[[Any], Any]) -> None:
+        self.ema, self.copy_of, self.copied = ema, copy_of, None
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.copied is None:
+            self.copied = self.copy_of(self.ema)
+
+
+COPIES = {"pickle": lambda obj: pickle.loads(pickle.dumps(obj)), "deepcopy": copy.deepcopy}
+
+
+def fit_one_epoch(directory: Path, ema: EMACallback, module: Classifier, *more: pl.Callback) -> State:
+    pl.seed_everything(0)
+    trainer(directory, [ema, *more], max_epochs=1).fit(module, labelled(), labelled(48))
+    assert ema.ema is not None
+    return {k: v.clone() for k, v in ema.ema.shadow.items()}
+
+
+def twin(module: Classifier) -> Classifier:
+    """A new instance holding the module's weights: the model a copy of the callback goes on with."""
+    other = Classifier()
+    other.load_state_dict(module.state_dict())
+    return other
+
+
+def copies_go_on_alone(tmp_path: Path, copy_of: Callable[[Any], Any]) -> tuple[bool, bool]:
+    """The original and a copy taken after fit each train one more epoch (the copy on a twin of the module): whether
+    the copy ended as the original did, and whether the original's average stayed as its own epoch left it."""
+    pl.seed_everything(0)
+    ema, module = EMACallback(decay=0.9), Classifier()
+    fit_one_epoch(tmp_path / "first", ema, module)
+    after, its_module = copy_of(ema), twin(module)
+    original = fit_one_epoch(tmp_path / "original", ema, module)
+    copied = fit_one_epoch(tmp_path / "copy", after, its_module)
+    assert ema.ema is not None
+    return same(copied, original), same(ema.ema.shadow, original)
+
+
+@pytest.mark.parametrize("how", list(COPIES))
+def test_a_pickled_or_deep_copied_callback_is_an_independent_working_callback_before_during_and_after_fit(
+    how: str, tmp_path: Path
+) -> None:
+    copy_of = COPIES[how]
+    pl.seed_everything(0)
+    ema, module = EMACallback(decay=0.9), Classifier()
+    before = copy_of(ema)  # before setup
+    during = CopiesDuringFit(ema, copy_of)
+    trained = fit_one_epoch(tmp_path / "original", ema, module, during)
+    after = copy_of(ema)
+    pl.seed_everything(0)
+    assert same(fit_one_epoch(tmp_path / "before", before, Classifier()), trained)  # trains as the original did
+
+    # A copy holds the average in storage of its own, and tracks no module until a fit gives it one.
+    assert ema.ema is not None and ema._trainer is not None
+    for copied in (during.copied, after):
+        assert isinstance(copied, EMACallback) and copied.ema is not None
+        assert copied.ema.model is None and copied._trainer is None and copied._wrapped == []
+        assert not any(shares_storage(t, x) for t in copied.ema.shadow.values() for x in ema.ema.shadow.values())
+    assert same(after.ema.shadow, trained) and after.ema.step == 6
+
+    # Each goes on on its own: the copy one more epoch on a twin of the module ends as the original does on it.
+    assert copies_go_on_alone(tmp_path / "alone", copy_of) == (True, True)
+
+
+def test_the_control_a_copy_sharing_the_shadow_writes_into_the_originals_average(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(EMA, "__deepcopy__", lambda self, memo: copy.copy(self), raising=False)
+    assert copies_go_on_alone(tmp_path, copy.deepcopy) == (False, False)
+
+
+SCORES = [0.5, 0.3, 0.6, 0.2, 0.1]  # the monitored score of each epoch: it improves in epochs 0 and 2 only
+
+
+class Scored(Regressor):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val/score", SCORES[self.current_epoch] + 0 * self.net(batch[0]).sum())
+
+
+class EpochOfLast(pl.Callback):
+    """The epoch each ``last.ckpt`` holds, read at the start of every epoch after the first and once after fit."""
+
+    def __init__(self, directories: list[Path]) -> None:
+        self.directories, self.seen = directories, []
+
+    def look(self) -> None:
+        self.seen.append(tuple(torch.load(d / "last.ckpt", weights_only=True)["epoch"] for d in self.directories))
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.current_epoch:
+            self.look()
+
+
+def test_with_monitor_lightning_rewrites_last_ckpt_only_when_the_score_improves_and_a_second_checkpoint_every_epoch(
+    tmp_path: Path,
+) -> None:
+    """What ``docs/recipes/ema.md`` says of ``ModelCheckpoint(monitor=..., save_last=True)`` in Lightning 2.6, and of
+    the second ``ModelCheckpoint`` that ``conf/callbacks/default.yaml`` keeps for the resume point."""
+    monitored, every = tmp_path / "monitored", tmp_path / "every"
+    look = EpochOfLast([monitored, every])
+    callbacks = [
+        EMACallback(decay=0.9),
+        ModelCheckpoint(monitored, monitor="val/score_ema", mode="max", save_last=True, save_top_k=1),
+        ModelCheckpoint(every, filename="last", save_on_train_epoch_end=True, enable_version_counter=False),
+        look,
+    ]
+    trainer(tmp_path, callbacks, max_epochs=len(SCORES)).fit(Scored(), loader(), loader(32))
+    look.look()
+    assert [monitored_epoch for monitored_epoch, _ in look.seen] == [0, 0, 2, 2, 2]  # the best epoch's, not the last
+    assert [every_epoch for _, every_epoch in look.seen] == [0, 1, 2, 3, 4]
+    assert sorted(p.name for p in monitored.iterdir()) == ["epoch=2-step=24.ckpt", "last.ckpt"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_ema_and_live_evaluation_passes_every_epoch_train_as_validating_once(device: str) -> None:
+    """``EMACallback``'s quiet EMA pass and the live pass after it, every epoch, under ``IsolatedEvaluation``: the
+    weights, optimizer state, EMA and generators end as with one validation at the end. Control: without
+    ``IsolatedEvaluation`` they do not."""
+
+    def callbacks(isolated: bool) -> list[pl.Callback]:
+        return [*([IsolatedEvaluation()] if isolated else []), EMACallback(decay=0.9)]
+
+    every_epoch = {"check_val_every_n_epoch": 1}
+    once = isolation.fit(device, isolation.ONCE, callbacks(isolated=True))
+    assert isolation.same(isolation.fit(device, every_epoch, callbacks(isolated=True)), once)
+    assert not isolation.same(isolation.fit(device, every_epoch, callbacks(isolated=False)), once)

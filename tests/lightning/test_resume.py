@@ -1,9 +1,10 @@
 """ResumeState: the global generators' states round-trip through a weights_only checkpoint, are restored
-only at ``on_train_start``, each rank from its own entry, and a checkpoint of another recipe or seed (or
-none of ours) is refused.
+only at ``on_train_start``, each rank from its own entry, and, given a recipe, a checkpoint of another recipe or
+seed (or none of ours) is refused; without one (a user's own Trainer) any is taken.
 
-The recipes' end-to-end resume (killed runs) is in ``test_resume_recipes.py``; under DDP, where the ranks'
-states are gathered into the checkpoint, in ``test_ddp.py``."""
+The data order of a user's own module resumed in a real Trainer is in ``test_resume_any_module.py``; the recipes'
+end-to-end resume (killed runs) in ``tests/recipes/test_resume.py``; under DDP, where the ranks' states are gathered
+into the checkpoint, in ``tests/distributed/test_ddp.py``."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def test_cuda_generator_state_round_trips() -> None:
 
 
 def trainer(rank: int, world_size: int) -> SimpleNamespace:
-    return SimpleNamespace(global_rank=rank, world_size=world_size)
+    return SimpleNamespace(global_rank=rank, world_size=world_size, train_dataloader=None)  # no loaders to order
 
 
 def test_states_are_restored_at_train_start_not_when_loaded() -> None:
@@ -66,6 +67,18 @@ def test_states_are_restored_at_train_start_not_when_loaded() -> None:
     callback.on_train_start(trainer(0, 1), None)  # type: ignore[arg-type]
     assert torch.equal(draws()[0], expected[0]) and not torch.equal(moved[0], expected[0])
     callback.on_train_start(trainer(0, 1), None)  # type: ignore[arg-type]  # once only
+    assert not torch.equal(draws()[0], expected[0])
+
+
+def test_a_state_loaded_before_this_fits_setup_is_not_restored() -> None:
+    """``trainer.validate(ckpt_path=...)`` loads the callback states too, and never starts training: a later ``fit``
+    (whose ``setup`` comes before any checkpoint of its own is loaded) must not restore them."""
+    state = ResumeState().state_dict()
+    expected = draws()
+    callback = ResumeState()
+    callback.load_state_dict(state)
+    callback.setup(trainer(0, 1), None, "fit")  # type: ignore[arg-type]
+    callback.on_train_start(trainer(0, 1), None)  # type: ignore[arg-type]
     assert not torch.equal(draws()[0], expected[0])
 
 
@@ -118,6 +131,21 @@ def test_another_runs_checkpoint_is_refused(recipe: str, seed: int, message: str
         check_checkpoint(tmp_path / "alpha.ckpt", recipe, seed)
     check_checkpoint(tmp_path / "alpha.ckpt", "alpha", 0)  # the control: its own run's
     ResumeState("alpha", 0).load_state_dict(state)
+
+
+def test_without_a_recipe_any_runs_checkpoint_resumes_and_a_recipe_refuses_one_of_no_recipe(tmp_path: Path) -> None:
+    """A user's own Trainer: ``ResumeState()`` stamps no recipe and checks none; ``train.py``'s, given a recipe,
+    refuses such a checkpoint with one line (the control: the same stamp with the recipe's name is taken)."""
+    ResumeState().load_state_dict(ResumeState("alpha", 0).state_dict())
+    theirs = ResumeState().state_dict()
+    assert (theirs["recipe"], theirs["seed"]) == (None, None)
+    torch.save({"callbacks": {"ResumeState": theirs}}, tmp_path / "user.ckpt")
+    message = "it holds a run of no recipe (a ResumeState without one), not of 'alpha'"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ResumeState("alpha", None).load_state_dict(theirs)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_checkpoint(tmp_path / "user.ckpt", "alpha", None)
+    ResumeState("alpha", None).load_state_dict({**theirs, "recipe": "alpha"})
 
 
 def test_a_distributed_checkpoint_is_checked_by_its_meta_pt(tmp_path: Path) -> None:
