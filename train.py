@@ -17,19 +17,36 @@ and one line that names the key and what is allowed: no or an unknown recipe, a 
 have or an unknown group option (both checked before Hydra makes a run directory), an out-of-range value
 (checked where it is used, named by its config key), a required value left ``???`` (``data.root`` of
 ``data=images``), a ``ckpt_path`` that is missing, not a checkpoint, or
-another recipe's or seed's.
+another recipe's or seed's. Bad input found once training runs (an image file that a DataLoader worker cannot
+decode, with ``data.verify=false``) stops the same way. A refused run leaves no run directory: the one Hydra made for
+it, holding only ``.hydra/`` and the log file, is removed (an earlier run's directory is left as it is).
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 import hydra
 from omegaconf import DictConfig
 
 from recipes.build import build, ignore_expected_warnings
-from recipes.launch import checkpoint_to_resume, override_error, recipe_argument_error
+from recipes.launch import (
+    BadInput,
+    checkpoint_to_resume,
+    discard_refused_run_dir,
+    override_error,
+    recipe_argument_error,
+)
+
+
+def refuse(message: str, show: bool = True) -> NoReturn:
+    """Exit with status 2; where ``show`` (one rank of several shows it), print ``error: MESSAGE`` on stderr and remove
+    the run directory Hydra made for this refused run."""
+    if show:
+        print(f"error: {message}", file=sys.stderr)
+        discard_refused_run_dir()
+    sys.exit(2)
 
 
 def train(cfg: DictConfig) -> dict[str, Any]:
@@ -41,18 +58,16 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         ckpt_path = checkpoint_to_resume(cfg)
         trainer, model, datamodule = build(cfg)
     except (InstantiationException, ValueError) as err:
-        cause = err.__cause__ if isinstance(err, InstantiationException) and err.__cause__ else err
-        print(f"error: {cause}", file=sys.stderr)
-        sys.exit(2)
+        refuse(str(err.__cause__ if isinstance(err, InstantiationException) and err.__cause__ else err))
     ignore_expected_warnings(model)
     from copy_correct import CheckpointMismatch
 
     try:
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
     except CheckpointMismatch as err:  # found only while restoring it: a sharded EMA spread otherwise than the model
-        if trainer.is_global_zero:
-            print(f"error: ckpt_path {ckpt_path!r} cannot resume this run: {err}", file=sys.stderr)
-        sys.exit(2)
+        refuse(f"ckpt_path {ckpt_path!r} cannot resume this run: {err}", show=trainer.is_global_zero)
+    except BadInput as err:  # found where it is read: a file a DataLoader worker cannot decode (data.verify=false)
+        refuse(str(err))
     if trainer.is_global_zero:
         print(f"outputs: {cfg.paths.output_dir} (metrics.csv, checkpoints/, summary.json)")
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
@@ -61,8 +76,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
     if cfg.get("recipe") is None:
-        print(recipe_argument_error([]), file=sys.stderr)
-        sys.exit(2)
+        refuse(recipe_argument_error([]) or "no recipe given")
     metrics = train(cfg)
     return metrics.get(cfg.recipe.get("monitor") or "")
 

@@ -7,6 +7,7 @@ from ``callbacks.ema`` becomes ``callbacks.ema.decay must be ...``), for ``train
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -39,21 +40,26 @@ def _instantiate(cfg: DictConfig, key: str, **kwargs: Any) -> Any:
         raise ValueError(message) from cause
 
 
-# What a data module knows that a model may need: a model config that leaves one of these null gets the data module's.
-DATA_FACTS = ("image_shape", "num_classes")
+# What a data module knows that a model may need: its images' shape, its classes' number and names, and how a batch
+# row is made from an image file (``recipes.inference``), so that a checkpoint's hyperparameters can classify a file.
+DATA_FACTS = ("image_shape", "num_classes", "classes", "input_format")
 
 
 def data_facts(model_cfg: DictConfig, datamodule: object) -> dict[str, Any]:
-    """The values of ``DATA_FACTS`` the model config leaves ``null``, from ``datamodule``; ``ValueError`` where the
-    config sets one the data contradicts (``model.num_classes=5`` for a folder of 10 class subfolders, say)."""
+    """The values of ``DATA_FACTS`` from ``datamodule`` that the model config leaves ``null``, or does not name while
+    the model's constructor takes them; ``ValueError`` where the config sets one the data contradicts
+    (``model.num_classes=5`` for a folder of 10 class subfolders, say)."""
+    from hydra.utils import get_object
+
     given, facts = OmegaConf.to_container(model_cfg, resolve=True), {}
     assert isinstance(given, dict)
+    takes = inspect.signature(get_object(given["_target_"])).parameters if "_target_" in given else {}
     for key in DATA_FACTS:
-        if key not in given or not hasattr(datamodule, key):
+        if not (key in given or key in takes) or not hasattr(datamodule, key):
             continue
         known = getattr(datamodule, key)
         known = list(known) if isinstance(known, tuple) else known  # a list reads plainly in hparams.yaml
-        if given[key] is None:
+        if given.get(key) is None:
             facts[key] = known
         elif given[key] != known:
             raise ValueError(f"model.{key}={given[key]} but the data has {known}: leave model.{key} null to take it")
@@ -74,6 +80,7 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, pl.LightningModule, pl.Lightning
     # _convert_="all": plain lists and dicts, which a checkpoint's hyperparameters can hold (weights_only loads them)
     model = _instantiate(cfg, "model", _convert_="all", **data_facts(cfg.model, datamodule))
     callbacks = [_instantiate(cfg, f"callbacks.{k}") for k, c in (cfg.get("callbacks") or {}).items() if c is not None]
+    callbacks = [c for c in callbacks if c is not None]  # a factory may make none: progress_bar when bars are off
     loggers = [_instantiate(cfg, f"logger.{k}") for k, c in (cfg.get("logger") or {}).items() if c is not None]
     trainer = _instantiate(cfg, "trainer", callbacks=callbacks, logger=loggers or False)
     return trainer, model, datamodule

@@ -86,6 +86,7 @@ class DQN(pl.LightningModule):
     # (tests/recipes/test_dqn.py measures it).
     expected_warnings = (
         r"You're resuming from a checkpoint that ended before the epoch ended",
+        r"train loader 0 \(batch_size=None\): the rest of the interrupted epoch",  # a clock: any order is its order
         r"Found \d+ module\(s\) in eval mode at the start of training",
         r"Using ModelCheckpoint with manual optimization and every_n_train_steps",
     )
@@ -184,8 +185,13 @@ class DQN(pl.LightningModule):
         return 1.0 + progress * (h.exploration_final_eps - 1.0)
 
     def act(self, obs: np.ndarray, epsilon: float) -> int:
+        """Epsilon-greedy, for training: the coin and the random action come from the training generator ``rng``."""
         if self.rng.random() < epsilon:
             return int(self.rng.integers(self.env.action_space.n))
+        return self.greedy_action(obs)
+
+    def greedy_action(self, obs: np.ndarray) -> int:
+        """The action of the largest Q-value; draws nothing."""
         with torch.no_grad():
             values = self.q(torch.from_numpy(obs).to(self.device).unsqueeze(0))
         return int(values.argmax(dim=1).item())  # the environment runs on the CPU: one sync per step
@@ -251,16 +257,26 @@ class DQN(pl.LightningModule):
         return F.smooth_l1_loss(value, target)
 
     def greedy_return(self) -> float:
-        """Mean return of ``eval_episodes`` greedy episodes, on the evaluation environment's fixed seeds."""
-        returns = []
-        for episode in range(self.hparams.eval_episodes):
-            obs, _ = self.eval_env.reset(seed=self.hparams.seed + 10_000 + episode)
-            total, done = 0.0, False
-            while not done:
-                obs, reward, terminated, truncated, _ = self.eval_env.step(self.act(obs, epsilon=0.0))
-                total += float(reward)
-                done = terminated or truncated
-            returns.append(total)
+        """Mean return of ``eval_episodes`` greedy episodes, on the evaluation environment's fixed seeds.
+
+        Evaluation never moves training: the episodes play on an environment of their own, reset from seeds of their
+        own; the actions draw nothing from the training generator ``rng`` (an ``act(obs, epsilon=0.0)`` would still
+        toss its coin there, and every later exploration would change with how often the run evaluates); and the
+        Q-network plays in eval mode, so a network with BatchNorm or dropout neither updates its statistics nor draws
+        masks here. It goes back to the mode it was in."""
+        returns, training = [], self.q.training
+        self.q.eval()
+        try:
+            for episode in range(self.hparams.eval_episodes):
+                obs, _ = self.eval_env.reset(seed=self.hparams.seed + 10_000 + episode)
+                total, done = 0.0, False
+                while not done:
+                    obs, reward, terminated, truncated, _ = self.eval_env.step(self.greedy_action(obs))
+                    total += float(reward)
+                    done = terminated or truncated
+                returns.append(total)
+        finally:
+            self.q.train(training)
         return float(np.mean(returns))
 
     def evaluate(self) -> None:

@@ -18,8 +18,8 @@ process holds 1/N of every weight, and ``EMACallback`` keeps the average of its 
 updated with no collective.
 
 The network follows the data (``model.network``, ``recipes/networks.py``): an MLP with BatchNorm for the 8x8 digits,
-a small CNN for square power-of-two images (16 or more); ``train.py`` fills ``model.image_shape`` and
-``model.num_classes`` from the data module.
+a small CNN for square images whose side is 4, 5, 6 or 7 times a power of two, 16 or more; ``train.py`` fills
+``model.image_shape`` and ``model.num_classes`` from the data module.
 
 Change first: the data (``data=images data.root=DIR``, one subfolder per class; keys in ``conf/data/images.yaml``)
 and ``decay`` in ``conf/recipe/ema.yaml`` (about ``1 / (1 - decay)`` steps are averaged); then the networks in
@@ -27,6 +27,8 @@ and ``decay`` in ``conf/recipe/ema.yaml`` (about ``1 / (1 - decay)`` steps are a
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -42,8 +44,9 @@ __all__ = ["NoisyClassifier"]
 
 class NoisyClassifier(pl.LightningModule):
     """A classifier with BatchNorm (``recipes.networks``: an MLP or a small CNN, by ``network``), trained by SGD at a
-    constant, deliberately high rate. ``image_shape`` and ``num_classes`` describe the data (``train.py`` fills them
-    from the data module)."""
+    constant, deliberately high rate. ``image_shape`` and ``num_classes`` describe the data, ``classes`` and
+    ``input_format`` how to use the trained model on an image file (``recipes.inference``); ``train.py`` fills them
+    from the data module, and the checkpoint keeps them in its hyperparameters."""
 
     def __init__(
         self,
@@ -54,6 +57,8 @@ class NoisyClassifier(pl.LightningModule):
         conv_width: int = 32,
         lr: float = 0.2,
         momentum: float = 0.9,
+        classes: list[str] | None = None,
+        input_format: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         shape = image_shape_of(image_shape)
@@ -62,6 +67,8 @@ class NoisyClassifier(pl.LightningModule):
                 f"recipe ema classifies, and the data has {'no labels' if num_classes is None else '1 class'}: put "
                 "each class's images in a subfolder of data.root (two classes at least)"
             )
+        if classes is not None and len(classes) != num_classes:
+            raise ValueError(f"model.classes must name model.num_classes={num_classes} classes, got {len(classes)}")
         for name, value in {"hidden": hidden, "conv_width": conv_width}.items():
             if value < 1:
                 raise ValueError(f"model.{name} must be >= 1, got {value}")

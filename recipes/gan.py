@@ -2,7 +2,7 @@
 other, on the 8x8 digits or on your own images.
 
     python train.py +recipe=gan                                           # 8x8 digits, MLP networks
-    python train.py +recipe=gan data=images data.root=DIR                 # your 64x64 RGB images, DCGAN networks
+    python train.py +recipe=gan data=images data.root=DIR                 # your images, DCGAN networks
 
 What it shows, per training step:
   * ``fake = G(z)`` runs once. The discriminator step sees ``fake.detach()``: the same values, no graph,
@@ -13,8 +13,9 @@ What it shows, per training step:
     and quality figures come from it, with the live generator's figures logged beside them.
 
 The networks follow the data (``model.network``, ``recipes/networks.py``): MLPs for the 8x8 digits, DCGAN's
-convolutional generator and discriminator for square images whose side is a power of two (16 or more). ``train.py``
-fills ``model.image_shape`` and ``model.num_classes`` from the data module.
+convolutional generator and discriminator for square images whose side is 4, 5, 6 or 7 times a power of two, 16 or
+more. ``train.py`` fills ``model.image_shape`` and ``model.num_classes`` from the data module (and the data module the
+images' size and channels from the files, unless the config sets them).
 
 Quality is judged by a network trained on ``eval_samples`` real training images when the run starts (seeded,
 ``recipes/gan_quality.py``): a classifier of their labels when the data has labels, otherwise an autoencoder (features

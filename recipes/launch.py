@@ -1,5 +1,6 @@
 """What ``train.py`` checks before it builds a run: the ``+recipe=`` argument and the overrides (before Hydra makes a
-run directory), and the checkpoint a resumed run starts from.
+run directory), and the checkpoint a resumed run starts from; the error type for bad input found once training runs
+(``BadInput``); and the run directory a refused run leaves behind (``discard_refused_run_dir``).
 
 Each check answers with one line naming the key and what is allowed, or ``None``; ``train.py`` prints it and exits
 with status 2 (``docs/guides/bad-input.md``).
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import re
+import shutil
 from pathlib import Path
 
 from hydra.core.override_parser.types import ValueType
@@ -16,8 +18,10 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 __all__ = [
     "CONF_DIR",
+    "BadInput",
     "available_recipes",
     "checkpoint_to_resume",
+    "discard_refused_run_dir",
     "missing_keys",
     "override_error",
     "recipe_argument_error",
@@ -27,6 +31,19 @@ CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
 _RECIPE_ARG = re.compile(r"^\+{0,2}recipe=(?P<names>.*)$")
 _HELP_FLAGS = {"-h", "--help", "--hydra-help", "--info", "-i"}
 _OTHER_CONFIG_FLAGS = ("-cp", "--config-path", "-cn", "--config-name", "-cd", "--config-dir", "--experimental-rerun")
+
+
+class BadInput(ValueError):
+    """Bad input named in one line, found where the input is read, possibly once training runs (an image file that a
+    DataLoader worker cannot decode); ``train.py`` prints the line and exits with status 2.
+
+    A DataLoader re-raises a worker's exception in the main process as the same type, made from the worker's whole
+    traceback, whose last line is ``recipes.launch.BadInput: <the line>``: the message keeps that line only.
+    """
+
+    def __init__(self, message: str) -> None:
+        last = message.strip().splitlines()[-1] if message.strip() else message
+        super().__init__(last.removeprefix(f"{type(self).__module__}.{type(self).__qualname__}: "))
 
 
 def available_recipes() -> list[str]:
@@ -142,3 +159,26 @@ def checkpoint_to_resume(cfg: DictConfig) -> str | None:
     except ValueError as err:
         raise ValueError(f"ckpt_path {str(path)!r} cannot resume this run: {err}") from err
     return str(path)
+
+
+# What Hydra writes into a run directory before the task starts: the resolved config, and the job's log file.
+HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
+
+
+def discard_refused_run_dir() -> Path | None:
+    """Under ``@hydra.main``: remove this run's directory when it holds only what Hydra wrote before the task started
+    (``.hydra/`` and the job's log file), which is what a run refused before training leaves; return it, or ``None``
+    when there is none or it holds anything else (an earlier run's files, a checkpoint)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    hydra_cfg = HydraConfig.get()
+    run_dir, subdir = Path(hydra_cfg.runtime.output_dir), hydra_cfg.output_subdir
+    if not run_dir.is_dir() or {p.name for p in run_dir.iterdir()} - {subdir, f"{hydra_cfg.job.name}.log"}:
+        return None
+    made = run_dir / subdir if subdir is not None else None
+    if made is not None and made.is_dir() and {p.name for p in made.iterdir()} - set(HYDRA_FILES):
+        return None
+    shutil.rmtree(run_dir)
+    return run_dir

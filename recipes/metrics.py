@@ -21,6 +21,8 @@ Change first: the network in ``__init__`` and the metrics you need.
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
@@ -36,10 +38,21 @@ NUM_FEATURES = 64
 
 
 class DigitsClassifier(pl.LightningModule):
-    """An MLP on the 64 pixels of sklearn digits, with torchmetrics accuracy and AUROC."""
+    """An MLP on the 64 pixels of sklearn digits, with torchmetrics accuracy and AUROC. ``classes`` and
+    ``input_format`` say how to use the trained model on an image file (``recipes.inference``); ``train.py`` fills
+    them from the data module, and the checkpoint keeps them in its hyperparameters."""
 
-    def __init__(self, hidden: int = 128, lr: float = 3e-3, weight_decay: float = 1e-4) -> None:
+    def __init__(
+        self,
+        hidden: int = 128,
+        lr: float = 3e-3,
+        weight_decay: float = 1e-4,
+        classes: list[str] | None = None,
+        input_format: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__()
+        if classes is not None and len(classes) != NUM_CLASSES:
+            raise ValueError(f"model.classes must name {NUM_CLASSES} classes, got {len(classes)}")
         if hidden < 1:
             raise ValueError(f"model.hidden must be >= 1, got {hidden}")
         if not lr > 0:

@@ -3,7 +3,9 @@
 
 * ``mlp``: the digits networks, on the flattened pixels; any image shape.
 * ``conv``: DCGAN's generator and discriminator (Radford et al., 2016; the PyTorch examples' ``dcgan``), a small
-  strided CNN classifier; square images whose side is a power of two, 16 or more.
+  strided CNN classifier; square images whose side is 4, 5, 6 or 7 times a power of two, 16 or more (16, 20, 24,
+  28, 32, 40, 48, 56, 64, 80, ...). DCGAN's networks start (or end) at a ``start`` x ``start`` side, ``start`` =
+  side / 2**k between 4 and 7, doubled (halved) k times; at 64 that is DCGAN's 4x4 and 4 doublings, layer for layer.
 * ``auto``: ``conv`` where the images allow it, ``mlp`` otherwise (the 8x8 digits).
 
 Every image tensor here is ``(N, C, H, W)``; a batch of flat pixels (the digits loader's ``(N, 64)``) is viewed in
@@ -30,6 +32,7 @@ __all__ = [
     "dcgan_init",
     "has_batch_norm",
     "image_shape_of",
+    "conv_sides_near",
     "pick_network",
 ]
 
@@ -54,33 +57,49 @@ def pick_network(network: str, image_shape: ImageShape) -> str:
     ``conv`` is asked of images it cannot take."""
     if network not in NETWORKS:
         raise ValueError(f"model.network must be one of {', '.join(NETWORKS)}, got {network!r}")
-    fits = _conv_stages(image_shape) is not None
+    fits = _conv_plan(image_shape) is not None
     if network == "auto":
         return "conv" if fits else "mlp"
     if network == "conv" and not fits:
         _, height, width = image_shape
+        sides = " or ".join(str(side) for side in conv_sides_near(min(height, width)))
         raise ValueError(
-            f"model.network=conv needs square images whose side is a power of two, 16 or more; the data's are "
-            f"{height}x{width}: set data.image_size (with data.resize=true) or use model.network=mlp"
+            f"model.network=conv needs square images whose side is 4, 5, 6 or 7 times a power of two, 16 or more "
+            f"(16, 20, 24, 28, 32, 40, 48, 56, 64, 80, ...); the data's are {height}x{width}: use model.network=mlp, "
+            f"or, with data=images, data.image_size={sides} data.resize=true"
         )
     return network
 
 
-def _conv_stages(image_shape: ImageShape) -> int | None:
-    """How many times the convolutional networks halve (or double) the side between the image and 4x4."""
+def _conv_plan(image_shape: ImageShape) -> tuple[int, int] | None:
+    """``(start, stages)``: the side is ``start * 2**stages`` with ``start`` in 4..7 and ``stages`` >= 2, the times
+    DCGAN's networks double (halve) the side from (down to) ``start`` x ``start``; ``None`` for images they cannot
+    take (not square, or another side)."""
     _, height, width = image_shape
-    if height != width or height < 16 or height & (height - 1):
+    stages = max(height.bit_length() - 3, 0)  # 4 <= height / 2**stages < 8
+    if height != width or stages < 2 or height % 2**stages:
         return None
-    return int(math.log2(height)) - 2
+    return height >> stages, stages
 
 
-def _stages(image_shape: ImageShape) -> int:
-    stages = _conv_stages(image_shape)
-    if stages is None:
+def conv_sides_near(side: int) -> list[int]:
+    """The sides the convolutional networks take nearest ``side``: ``side`` itself if they take it, else the largest
+    below and the smallest above it (16 alone below 16)."""
+    if _conv_plan((1, side, side)):
+        return [side]
+    below = [s for s in range(16, side) if _conv_plan((1, s, s))]
+    above = next(s for s in range(max(side + 1, 16), 2 * side + 17) if _conv_plan((1, s, s)))
+    return [below[-1], above] if below else [above]
+
+
+def _plan(image_shape: ImageShape) -> tuple[int, int]:
+    plan = _conv_plan(image_shape)
+    if plan is None:
         raise ValueError(
-            f"the convolutional networks need a square image with a power-of-two side >= 16, got {image_shape}"
+            "the convolutional networks need a square image whose side is 4, 5, 6 or 7 times a power of two, 16 or "
+            f"more, got {image_shape}"
         )
-    return stages
+    return plan
 
 
 def has_batch_norm(module: nn.Module) -> bool:
@@ -129,16 +148,17 @@ class MLPDiscriminator(nn.Module):
 
 
 class ConvGenerator(nn.Module):
-    """DCGAN's generator: a transposed convolution to 4x4, then one doubling of the side per stage (BatchNorm,
-    ReLU), ``width`` channels next to the image, ``tanh`` output in [-1, 1]."""
+    """DCGAN's generator: a transposed convolution to ``start`` x ``start`` (4x4 for a power-of-two side, 6x6 for 48),
+    then one doubling of the side per stage (BatchNorm, ReLU), ``width`` channels next to the image, ``tanh`` output
+    in [-1, 1]."""
 
     def __init__(self, latent: int, width: int, image_shape: ImageShape) -> None:
         super().__init__()
-        channels = [
-            width * 2**i for i in reversed(range(_stages(image_shape)))
-        ]  # 64x64 and width 64: 512, 256, 128, 64
+        start, stages = _plan(image_shape)
+        channels = [width * 2**i for i in reversed(range(stages))]  # 64x64 and width 64: 512, 256, 128, 64
         layers: list[nn.Module] = [
-            nn.ConvTranspose2d(latent, channels[0], 4, 1, 0, bias=False), nn.BatchNorm2d(channels[0]), nn.ReLU(True),
+            nn.ConvTranspose2d(latent, channels[0], start, 1, 0, bias=False), nn.BatchNorm2d(channels[0]),
+            nn.ReLU(True),
         ]  # fmt: skip
         for c_in, c_out in pairwise(channels):
             layers += [nn.ConvTranspose2d(c_in, c_out, 4, 2, 1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(True)]
@@ -151,16 +171,18 @@ class ConvGenerator(nn.Module):
 
 
 class ConvDiscriminator(nn.Module):
-    """DCGAN's discriminator: strided convolutions halving the side down to 4x4 (BatchNorm after all but the first,
-    LeakyReLU), ``width`` channels next to the image, then one 4x4 convolution to a logit."""
+    """DCGAN's discriminator: strided convolutions halving the side down to ``start`` x ``start`` (BatchNorm after all
+    but the first, LeakyReLU), ``width`` channels next to the image, then one ``start`` x ``start`` convolution to a
+    logit."""
 
     def __init__(self, image_shape: ImageShape, width: int) -> None:
         super().__init__()
-        channels = [width * 2**i for i in range(_stages(image_shape))]
+        start, stages = _plan(image_shape)
+        channels = [width * 2**i for i in range(stages)]
         layers: list[nn.Module] = [nn.Conv2d(image_shape[0], channels[0], 4, 2, 1, bias=False), nn.LeakyReLU(0.2, True)]
         for c_in, c_out in pairwise(channels):
             layers += [nn.Conv2d(c_in, c_out, 4, 2, 1, bias=False), nn.BatchNorm2d(c_out), nn.LeakyReLU(0.2, True)]
-        layers += [nn.Conv2d(channels[-1], 1, 4, 1, 0, bias=False)]
+        layers += [nn.Conv2d(channels[-1], 1, start, 1, 0, bias=False)]
         self.net = nn.Sequential(*layers)
         dcgan_init(self)
 

@@ -36,6 +36,8 @@ augmentation) and the network in ``DigitsCNN``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
@@ -75,12 +77,23 @@ class GridMean(nn.Module):
 
 
 class DigitsCNN(pl.LightningModule):
-    """A small CNN on the normalised digits: a strided stem, two stride-2 convolutions, a 4x4 grid of means."""
+    """A small CNN on the normalised digits: a strided stem, two stride-2 convolutions, a 4x4 grid of means.
+    ``classes`` and ``input_format`` say how to use the trained model on an image file (``recipes.inference``);
+    ``train.py`` fills them from the data module, and the checkpoint keeps them in its hyperparameters."""
 
     def __init__(
-        self, width: int = 32, lr: float = 2e-3, weight_decay: float = 1e-4, in_channels: int = 1, stem_stride: int = 2
+        self,
+        width: int = 32,
+        lr: float = 2e-3,
+        weight_decay: float = 1e-4,
+        in_channels: int = 1,
+        stem_stride: int = 2,
+        classes: list[str] | None = None,
+        input_format: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
+        if classes is not None and len(classes) != NUM_CLASSES:
+            raise ValueError(f"model.classes must name {NUM_CLASSES} classes, got {len(classes)}")
         if width < 1:
             raise ValueError(f"model.width must be >= 1, got {width}")
         if not lr > 0:

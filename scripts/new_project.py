@@ -518,10 +518,12 @@ def _own_data(recipe: str, files: dict[str, Path | str]) -> str:
 python train.py +recipe={recipe} data=images data.root=DIR    # DIR/*.png, or DIR/CLASS/*.png for labelled images
 ```
 
-The keys (`image_size`, `channels`, `resize`, `convert`, ...) are in `conf/data/images.yaml`; the networks follow the
-data's shape (`model.network`, `recipes/networks.py`). To make your data the default, change `- /data: digits` to
-`- /data: images` in `conf/recipe/{recipe}.yaml` and set `root:` in `conf/data/images.yaml`: the tests compose that
-configuration, so `pytest` then proves the copies of your networks on your data.
+The image size and channels come from the files when they all share one (`image_size` and `channels` are `null`);
+set them, with `resize` or `convert`, for a folder that mixes them. The keys are in `conf/data/images.yaml`; the
+networks follow the data's shape (`model.network`, `recipes/networks.py`). To make your data the default, change
+`- /data: digits` to `- /data: images` in `conf/recipe/{recipe}.yaml` and set `root:` in `conf/data/images.yaml`: the
+tests compose that configuration (their own-images cases write test images of your channels), so `pytest` then proves
+the copies of your networks on your data.
 """
 
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -82,6 +83,16 @@ def write_images(root: Path, count: int, size: int = 16, channels: int = 3, clas
     return root
 
 
+def write_own_images(root: Path, recipe: str, count: int, classes: int = 0) -> Path:
+    """``write_images`` for the ``own images`` cases of ``+recipe=RECIPE``: of the size and channels that the
+    project's config, as its owner has it, gives that case (``OWN_IMAGES`` over ``conf/``: a starter whose default is
+    a grey folder gets grey images), or 16x16 RGB where it leaves them to the files."""
+    with initialize_config_dir(str(CONF_DIR), version_base="1.3"):
+        cfg = compose("config", overrides=[f"+recipe={recipe}", *(o.format(images=root) for o in OWN_IMAGES)])
+    size, channels = cfg.data.image_size or 16, cfg.data.channels or 3
+    return write_images(root, count, size=size, channels=channels, classes=classes)
+
+
 def warning_lines(stderr: str) -> list[str]:
     """The Python warnings in a run's stderr (``path.py:LINE: message``), after checking that Lightning's own
     messages reached it (so an empty list means a clean console, not a stderr that was lost)."""
@@ -152,3 +163,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return rank.get(name, len(rank))
 
     items.sort(key=key)  # stable: a file's tests keep their order
+
+
+def fit_on_a_uniform_folder(recipe: str, size: int, channels: int, tmp_path: Path, *extra: str) -> Any:
+    """``+recipe=RECIPE data=images data.root=DIR`` and no data or network override, on a folder of ``size`` x ``size``
+    images with ``channels``: built as ``train.py`` builds it and fitted for 2 steps. Returns the model. The control:
+    the size and channels ``conf/data/images.yaml`` used to set (64, RGB) refuse the folder (``ValueError``, a line
+    naming a file and the override)."""
+    from recipes.build import build
+
+    root = write_images(tmp_path / "images", 12, size=size, channels=channels, classes=2)
+    args = [f"+recipe={recipe}", "data=images", f"data.root={root}", ON_CPU, *QUIET, "trainer.max_steps=2"]
+    args += ["trainer.max_epochs=-1", "trainer.limit_val_batches=0", *extra]
+    trainer, model, datamodule = build(compose_config(*args, output_dir=tmp_path / "run"))
+    assert model.hparams.image_shape == [channels, size, size]
+    trainer.fit(model, datamodule=datamodule)
+    assert trainer.global_step == 2
+    with pytest.raises(ValueError, match=r"0000\.png is .*data\.(image_size=64 wants 64x64|channels=3 wants RGB)"):
+        build(compose_config(*args, "data.image_size=64", "data.channels=3", output_dir=tmp_path / "old"))
+    return model

@@ -67,6 +67,7 @@ class DigitsDataModule(pl.LightningDataModule):
 
     image_shape = (1, 8, 8)
     num_classes = NUM_CLASSES
+    classes = tuple(str(digit) for digit in range(NUM_CLASSES))
 
     def __init__(self, batch_size: int = 64, val_fraction: float = 0.2, seed: int = 0, num_workers: int = 0) -> None:
         super().__init__()
@@ -78,6 +79,12 @@ class DigitsDataModule(pl.LightningDataModule):
         self.num_workers = num_workers
         self.train_set, self.val_set = load_digits_split(val_fraction, seed)
         self.shuffle = torch.Generator().manual_seed(seed)
+
+    @property
+    def input_format(self) -> dict[str, Any]:
+        """How a batch row is made from an 8x8 grey image file (ink bright), for ``recipes.inference.load_image``:
+        pixels / 255, flattened."""
+        return {"image_shape": [1, 8, 8], "mean": 0.0, "std": 1.0, "flat": True}
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, shuffle=True, generator=self.shuffle)

@@ -15,34 +15,44 @@ Copy contract:
     the transform there makes a new float32 tensor in [0, 1]. On a CPU nothing is copied and the transform alone
     makes the float tensor. Autograd sees none of it: batches carry no graph.
 
+Image size and channels: ``data.image_size`` and ``data.channels`` left ``null`` (the default) take them from the
+files, when every file has one square size and every file is grey (``L``: 1 channel) or every file ``RGB`` (3). Set,
+they are what every file must be, or is made by ``data.resize`` / ``data.convert`` as it loads.
+
 Checked when the data module is made, before any training (``ValueError`` naming the key or the file, one line): the
-folder exists and holds images, every file's size and mode fit ``data.image_size`` and ``data.channels`` (or
-``data.resize`` / ``data.convert`` say to make them fit), and, with ``data.verify`` (the default), every file decodes.
-A file that stops decoding later fails in the worker with its path named.
+folder exists and holds images, with no empty class folder; every file's size and mode (read from its header, one
+lazy ``Image.open`` per file, no pixels decoded) give one shape, or fit the one configured; and, with ``data.verify``
+(the default), every file decodes. A file that does not decode when a worker reads it (``data.verify=false``) raises
+``recipes.launch.BadInput`` naming it, which ``train.py`` prints as one line.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageMode, UnidentifiedImageError
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from copy_correct import make_loader
+from recipes.launch import BadInput
 
 __all__ = ["IMAGE_EXTENSIONS", "ImageFiles", "ImageFolderDataModule", "scan_folder", "to_unit_float"]
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
 MODES = {1: "L", 3: "RGB"}
+CHANNELS = {mode: channels for channels, mode in MODES.items()}
 Batch = tuple[torch.Tensor, ...]
+Header = tuple[tuple[int, int], str]  # a file's (width, height) and Pillow mode
+T = TypeVar("T")
 
 
 def scan_folder(root: Path) -> tuple[list[Path], list[int] | None, list[str]]:
@@ -58,7 +68,14 @@ def scan_folder(root: Path) -> tuple[list[Path], list[int] | None, list[str]]:
         )
 
     loose = images_in(root, recursive=False)
-    classes = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith(".") and images_in(d, True))
+    folders = sorted(d.name for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    classes = [name for name in folders if images_in(root / name, recursive=True)]
+    if classes and not loose and classes != folders:
+        empty = next(name for name in folders if name not in classes)
+        raise ValueError(
+            f"data.root {str(root)!r} has class folders ({', '.join(classes[:3])}, ...), and {empty!r} holds no images "
+            f"({', '.join(IMAGE_EXTENSIONS)}): put that class's images in it, or move it out of data.root"
+        )
     if loose and classes:
         raise ValueError(
             f"data.root {str(root)!r} holds both images ({loose[0].name}, ...) and class subfolders "
@@ -105,31 +122,30 @@ class ImageFiles(Dataset):
             return (image,)
         return image, torch.tensor(self.labels[index])
 
-    def check(self, path: str, image: Image.Image) -> None:
-        """``ValueError`` naming ``path`` when its size or mode does not fit and the config does not say to fit it."""
-        mode = MODES[self.channels]
-        if image.mode != mode and not self.convert:
-            raise ValueError(
-                f"{path} is a {image.mode} image and data.channels={self.channels} wants {mode}: convert the files, "
-                f"set data.channels to match, or data.convert=true to convert them as they load"
+    def check(self, path: str, header: Header, every_size: int | None = None, every_mode: str | None = None) -> None:
+        """``BadInput`` naming ``path`` when its size or mode (``header``) does not fit and the config does not say to
+        fit it. ``every_size`` / ``every_mode``: the one square side / mode that every file of the folder has, if they
+        have one, which the line then offers as the value to set."""
+        (width, height), mode = header
+        wanted = MODES[self.channels]
+        if mode != wanted and not self.convert:
+            same = f"data.channels={CHANNELS[every_mode]} (every file's mode), or " if every_mode in CHANNELS else ""
+            raise BadInput(
+                f"{path} is a {mode} image and data.channels={self.channels} wants {wanted}: set {same}"
+                "data.convert=true to convert them as they load"
             )
-        if image.size != (self.image_size, self.image_size) and not self.resize:
-            width, height = image.size
-            raise ValueError(
-                f"{path} is {width}x{height} and data.image_size={self.image_size} wants "
-                f"{self.image_size}x{self.image_size}: resize the files, set data.image_size to match, or "
-                "data.resize=true to scale the shorter side and crop the centre as they load"
+        side = self.image_size
+        if (width, height) != (side, side) and not self.resize:
+            same = f"data.image_size={every_size} (every file's size), or " if every_size else ""
+            raise BadInput(
+                f"{path} is {width}x{height} and data.image_size={side} wants {side}x{side}: set {same}"
+                f"data.resize=true to scale the shorter side to {side} and crop the centre as they load"
             )
-
-    def read_header(self, path: str) -> None:
-        """Open ``path`` and check its size and mode, without decoding its pixels."""
-        with _opened(path) as image:
-            self.check(path, image)
 
     def decode(self, path: str) -> np.ndarray:
         """The file's pixels as a new ``(H, W)`` or ``(H, W, C)`` ``uint8`` array, fitted to the config."""
         with _opened(path) as image:
-            self.check(path, image)
+            self.check(path, (image.size, image.mode))
             image = image.convert(MODES[self.channels])  # a copy even when the mode is already right
             if image.size != (self.image_size, self.image_size):
                 image = _fit(image, self.image_size)
@@ -138,12 +154,13 @@ class ImageFiles(Dataset):
 
 @contextmanager
 def _opened(path: str) -> Iterator[Image.Image]:
-    """``Image.open(path)``; what Pillow raises for a file it cannot read becomes one ``ValueError`` naming it."""
+    """``Image.open(path)``; what Pillow raises for a file it cannot read (on opening it, or decoding its pixels in
+    the ``with`` block) becomes one ``BadInput`` naming it."""
     try:
         with Image.open(path) as image:
             yield image
     except (OSError, UnidentifiedImageError, SyntaxError) as err:
-        raise ValueError(f"{path} does not decode as an image: {' '.join(str(err).split())}") from None
+        raise BadInput(f"{path} does not decode as an image: {' '.join(str(err).split())}") from None
 
 
 def _fit(image: Image.Image, size: int) -> Image.Image:
@@ -163,17 +180,18 @@ def to_unit_float(batch: Batch) -> Batch:
 class ImageFolderDataModule(pl.LightningDataModule):
     """Train and validation loaders over ``root``'s images (see the module docstring for the layout).
 
-    The split is seeded and, for labelled folders, stratified (each class in both splits as far as its count
-    allows). The training order is drawn from one generator whose state is the module's ``state_dict``, so a resumed
-    run shuffles as the uninterrupted one would. ``prefetch=false`` leaves the copy to Lightning (on the compute
-    stream); the transform then runs in ``on_after_batch_transfer``.
+    ``image_size`` and ``channels`` ``None``: the files' own (``image_shape`` then says what they were). The split is
+    seeded and, for labelled folders, stratified (each class in both splits as far as its count allows). The training
+    order is drawn from one generator whose state is the module's ``state_dict``, so a resumed run shuffles as the
+    uninterrupted one would. ``prefetch=false`` leaves the copy to Lightning (on the compute stream); the transform then
+    runs in ``on_after_batch_transfer``.
     """
 
     def __init__(
         self,
         root: str,
-        image_size: int = 64,
-        channels: int = 3,
+        image_size: int | None = None,
+        channels: int | None = None,
         batch_size: int = 64,
         val_fraction: float = 0.1,
         seed: int = 0,
@@ -186,19 +204,21 @@ class ImageFolderDataModule(pl.LightningDataModule):
         super().__init__()
         bounds = (("image_size", image_size, 1), ("batch_size", batch_size, 1), ("num_workers", num_workers, 0))
         for name, value, low in bounds:
-            if value < low:
+            if value is not None and value < low:
                 raise ValueError(f"data.{name} must be >= {low}, got {value}")
-        if channels not in MODES:
-            raise ValueError(f"data.channels must be 1 (grey) or 3 (RGB), got {channels}")
+        if channels is not None and channels not in MODES:
+            raise ValueError(f"data.channels must be 1 (grey), 3 (RGB) or null (from the files), got {channels}")
         if not 0.0 < val_fraction < 1.0:
             raise ValueError(f"data.val_fraction must be in (0, 1), got {val_fraction}")
         self.root = Path(str(root)).expanduser()
         self.batch_size, self.num_workers, self.prefetch = batch_size, num_workers, prefetch
-        self.image_shape = (channels, image_size, image_size)
         files, labels, self.classes = scan_folder(self.root)
         self.num_classes = len(self.classes) or None
+        headers = _read_headers([str(f) for f in files], decode=verify)
+        image_size, channels = _shape_of_files([str(f) for f in files], headers, image_size, channels, resize, convert)
+        self.image_shape = (channels, image_size, image_size)
         options = {"image_size": image_size, "channels": channels, "resize": resize, "convert": convert}
-        _check_files(ImageFiles(files, labels, **options), decode=verify)
+        _check_files(ImageFiles(files, labels, **options), headers)
         train, val = _split(len(files), labels, val_fraction, seed, self.root)
         self.train_set = ImageFiles([files[i] for i in train], _take(labels, train), **options)
         self.val_set = ImageFiles([files[i] for i in val], _take(labels, val), **options)
@@ -215,9 +235,16 @@ class ImageFolderDataModule(pl.LightningDataModule):
         float32 tensor in [0, 1] on the CPU, and their labels (``None`` when unlabelled); decoded by the workers."""
         dataset = self.train_set if split == "train" else self.val_set
         subset = torch.utils.data.Subset(dataset, range(min(limit, len(dataset))))
-        batches = list(DataLoader(subset, batch_size=256, num_workers=self.num_workers))
+        # A generator of its own: the iterator draws a base seed from it, not from the global one training draws from.
+        own = torch.Generator().manual_seed(0)
+        batches = list(DataLoader(subset, batch_size=256, num_workers=self.num_workers, generator=own))
         images = torch.cat([b[0] for b in batches]).float().div_(255.0)
         return images, torch.cat([b[1] for b in batches]) if self.num_classes else None
+
+    @property
+    def input_format(self) -> dict[str, Any]:
+        """How a batch row is made from an image file, for ``recipes.inference.load_image``: pixels / 255."""
+        return {"image_shape": list(self.image_shape), "mean": 0.0, "std": 1.0, "flat": False}
 
     def state_dict(self) -> dict[str, Any]:
         return {"shuffle": self.shuffle.get_state()}
@@ -239,12 +266,71 @@ class ImageFolderDataModule(pl.LightningDataModule):
         )  # fmt: skip
 
 
-def _check_files(dataset: ImageFiles, decode: bool) -> None:
-    """Open every file (its header: size and mode) and, with ``decode``, decode it; the first problem is raised."""
-    files = dataset.files
+def _read_headers(files: list[str], decode: bool) -> list[Header]:
+    """Each file's size and mode, read from its header (Pillow opens a file lazily: no pixels are decoded) and, with
+    ``decode``, its pixels decoded once; the first file that does not open or decode is raised, named."""
+    headers = []
     desc = "checking images" if decode else "reading image headers"
     for path in tqdm(files, desc=desc, unit="file", disable=len(files) < 2000, leave=False):
-        dataset.decode(path) if decode else dataset.read_header(path)
+        with _opened(path) as image:
+            if decode:
+                image.load()
+            headers.append((image.size, image.mode))
+    return headers
+
+
+def _shape_of_files(
+    files: list[str], headers: list[Header], image_size: int | None, channels: int | None, resize: bool, convert: bool
+) -> tuple[int, int]:
+    """``image_size`` and ``channels``, each taken from the files' ``headers`` where it is ``None``: one square size,
+    and one mode that is ``L`` (1 channel) or ``RGB`` (3). Otherwise ``BadInput`` naming a file that differs from
+    the most common size or mode (the first file, when they all share one that gives no value), and the override
+    that fits every file."""
+    if channels is None:
+        modes = [mode for _, mode in headers]
+        path, mode, common, others = _odd_one_out(files, modes, str)
+        if mode != common or common not in CHANNELS:
+            fit = f"data.channels={1 if ImageMode.getmode(common).basemode == 'L' else 3}"
+            raise BadInput(
+                f"{path} is a {mode} image, {others}: data.channels=null takes 1 channel from files that are all L "
+                f"(grey) and 3 from files that are all RGB; set {fit}{'' if convert else ' data.convert=true'} to "
+                "convert them as they load"
+            )
+        channels = CHANNELS[common]
+    if image_size is None:
+        sizes = [size for size, _ in headers]
+        path, (width, height), common, others = _odd_one_out(files, sizes, lambda size: "x".join(map(str, size)))
+        if (width, height) != common or width != height:
+            fit = min(common)
+            raise BadInput(
+                f"{path} is {width}x{height}, {others}: data.image_size=null takes the size from files that are all "
+                f"one square size; set data.image_size={fit}{'' if resize else ' data.resize=true'} to scale the "
+                f"shorter side to {fit} and crop the centre as they load"
+            )
+        image_size = width
+    return image_size, channels
+
+
+def _odd_one_out(files: list[str], values: list[T], show: Callable[[T], str]) -> tuple[str, T, T, str]:
+    """The file to name, its value, the most common of ``values`` (one per file), and how the others compare: the
+    first file whose value is not the most common one (``"but 700 of the 750 files are RGB"``), or the first file
+    when all agree (``"as are all 750 files"``)."""
+    (common, many), count = Counter(values).most_common(1)[0], len(values)
+    index = next((i for i, value in enumerate(values) if value != common), None)
+    if index is None:
+        return files[0], common, common, f"as are all {count} files"
+    return files[index], values[index], common, f"but {many} of the {count} files are {show(common)}"
+
+
+def _check_files(dataset: ImageFiles, headers: list[Header]) -> None:
+    """Check every file's size and mode (``headers``) against ``dataset``'s; the first that does not fit is raised,
+    offering the size or mode that every file has, where they have one."""
+    sizes, modes = {size for size, _ in headers}, {mode for _, mode in headers}
+    (width, height), mode = headers[0]
+    every_size = width if len(sizes) == 1 and width == height else None
+    every_mode = mode if len(modes) == 1 else None
+    for path, header in zip(dataset.files, headers, strict=True):
+        dataset.check(path, header, every_size, every_mode)
 
 
 def _split(

@@ -15,6 +15,7 @@ Copy contract:
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -94,7 +95,9 @@ def render_digits(
 class AugmentedDigits(Dataset):
     """sklearn's digits upscaled to ``size`` x ``size`` ``uint8`` images, randomly shifted and dimmed when ``augment``.
 
-    Each item is made fresh by the worker that loads it (the source images are never written).
+    Each item is made fresh by the worker that loads it (the source images are never written). Without ``augment``
+    (validation) an item is the same every time and draws nothing from the global generators: a 3-channel image's tint
+    comes from a generator seeded with its index.
     """
 
     def __init__(
@@ -118,7 +121,10 @@ class AugmentedDigits(Dataset):
         return len(self.labels)
 
     def __getitem__(self, index: int) -> Batch:
-        image = _upscale(self.images[index : index + 1], self.size, self.channels, None)[0]
+        # Unaugmented (validation): each image tinted alike every time, from a generator of its own; never the global
+        # generator, which training draws from.
+        tint = None if self.augment or self.channels == 1 else torch.Generator().manual_seed(index)
+        image = _upscale(self.images[index : index + 1], self.size, self.channels, tint)[0]
         if self.augment:
             s = self.max_shift
             dy, dx = torch.randint(0, 2 * s + 1, (2,)).tolist()
@@ -199,6 +205,11 @@ class PinnedDigitsDataModule(DigitsDataModule):
             geometry = {"size": size, "max_shift": max_shift, "channels": channels}
             self.train_set = AugmentedDigits(*self.train_set.tensors, augment=True, **geometry)
             self.val_set = AugmentedDigits(*self.val_set.tensors, augment=False, **geometry)
+
+    @property
+    def input_format(self) -> dict[str, Any]:
+        """How a batch row is made from an image file, for ``recipes.inference.load_image``: ``normalize``'s scaling."""
+        return {"image_shape": list(self.image_shape), "mean": MEAN, "std": STD, "flat": False}
 
     def setup(self, stage: str) -> None:
         if self.source != "store" or isinstance(self.train_set, StoreWindows):

@@ -1,5 +1,6 @@
 """Bad input stops before training: exit status 2, exactly one line on stderr naming the key and what is
-allowed, no checkpoint written, an earlier run's directory left byte for byte as it was.
+allowed, no checkpoint written, no run directory left behind, an earlier run's directory left byte for byte as it was.
+A file that breaks only when a DataLoader worker reads it (``data.verify=false``) stops the run the same way.
 
 Out-of-range values are checked where they are used (constructors raise ``ValueError``); ``build``
 names them by their config key. Those are tested in process, for every recipe; the subprocess cases
@@ -10,7 +11,9 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
+from PIL import Image
 
 from recipes.build import build
 from recipes.launch import available_recipes
@@ -46,8 +49,11 @@ REFUSED = [
     ("eval_samples too few for the grid", ["+recipe=gan", "model.eval_samples=50"], [
         "model.eval_samples must be >= 100 (each validation writes a 10x10 grid of samples), got 50",
     ]),
-    ("a file that does not decode", ["+recipe=gan", "data=images", "data.root={broken}", "data.image_size=16"], [
+    ("a file that does not decode", ["+recipe=gan", "data=images", "data.root={broken}"], [
         "broken.png does not decode as an image",
+    ]),
+    ("a folder of grey and RGB images", ["+recipe=ema", "data=images", "data.root={mixed}"], [
+        "grey.png is a L image, but 4 of the 5 files are RGB", "set data.channels=3 data.convert=true",
     ]),
 ]  # fmt: skip
 
@@ -65,7 +71,7 @@ OUT_OF_RANGE = [
     ("gan", "data.batch_size=-2", "data.batch_size must be >= 1, got -2"),
     ("gan", "model.eval_samples=99", "model.eval_samples must be >= 100 (each validation writes a 10x10 grid"),
     ("gan", "model.network=cnn", "model.network must be one of auto, mlp, conv, got 'cnn'"),
-    ("gan", "model.network=conv", "model.network=conv needs square images whose side is a power of two, 16 or more"),
+    ("gan", "model.network=conv", "model.network=conv needs square images whose side is 4, 5, 6 or 7 times a power"),
     ("ema", "model.num_classes=5", "model.num_classes=5 but the data has 10: leave model.num_classes null"),
     ("ema", "model.image_shape=[1,4,16]", "model.image_shape=[1, 4, 16] but the data has [1, 8, 8]"),
     ("dqn", "model.tau=0", "model.tau must be in (0, 1], got 0"),
@@ -105,31 +111,65 @@ def broken(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A labelled folder of four RGB images and one grey one: no one number of channels to take from the files."""
+    folder = write_images(tmp_path_factory.mktemp("mixed"), 4, classes=2)
+    Image.fromarray(np.zeros((16, 16), np.uint8)).save(folder / "class0" / "grey.png")
+    return folder
+
+
 @pytest.mark.parametrize(("args", "phrases"), [pytest.param(a, p, id=i) for i, a, p in REFUSED])
 def test_bad_input_exits_2_with_one_line_and_writes_nothing(
-    args: list[str], phrases: list[str], earlier: Path, broken: Path, tmp_path: Path
+    args: list[str], phrases: list[str], earlier: Path, broken: Path, mixed: Path, tmp_path: Path
 ) -> None:
     before = snapshot(earlier)
     run_dir = tmp_path / "run"
-    result = run_train(*(a.format(earlier=earlier, broken=broken) for a in args), f"hydra.run.dir={run_dir}")
+    result = run_train(
+        *(a.format(earlier=earlier, broken=broken, mixed=mixed) for a in args), f"hydra.run.dir={run_dir}"
+    )
     assert result.returncode == 2, result.stderr[-3000:]
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("error: ")
     for phrase in phrases:
         assert phrase in line, line
     assert not list(tmp_path.rglob("*.ckpt"))
+    assert not run_dir.exists()  # refused before Hydra made it, or the directory Hydra made for it removed
     assert snapshot(earlier) == before
 
 
-def test_a_bad_run_pointed_at_an_earlier_directory_changes_it(earlier: Path, tmp_path: Path) -> None:
-    """The control for the snapshot: Hydra writes its .hydra/ files before any check of ours can run, which is
-    why a resumed run gets a directory of its own instead of reusing the crashed one."""
+def test_a_bad_run_pointed_at_an_earlier_directory_changes_it_and_keeps_it(earlier: Path, tmp_path: Path) -> None:
+    """The control for the snapshot and for the removed run directories: Hydra writes its .hydra/ files before any
+    check of ours can run (which is why a resumed run gets a directory of its own instead of reusing the crashed
+    one), so a refused run would leave the directory Hydra made; one that holds anything else is kept."""
     copy = tmp_path / "copy"
     shutil.copytree(earlier, copy)
     before = snapshot(copy)
     result = run_train("+recipe=ema", "callbacks.ema.decay=1", f"hydra.run.dir={copy}")
     assert result.returncode == 2
-    assert snapshot(copy) != before
+    after = snapshot(copy)
+    assert after != before and after.keys() == before.keys()
+    assert (copy / "checkpoints" / "last.ckpt").is_file()
+
+
+def test_a_file_that_breaks_in_a_worker_stops_the_run_with_one_line(tmp_path: Path) -> None:
+    """``data.verify=false``: no file is decoded before training, and the truncated one is found by the DataLoader
+    worker that reads it, after Lightning has started (its messages come first): the last line names the file, no
+    traceback, status 2, and the run directory, which holds nothing of the run, is removed."""
+    folder = write_images(tmp_path / "images", 8)
+    path = folder / "0003.png"
+    path.write_bytes(path.read_bytes()[:200])  # a valid header, the pixels cut short
+    run_dir = tmp_path / "run"
+    result = run_train(
+        "+recipe=gan", "data=images", f"data.root={folder}", "data.verify=false", "model.conv_width=8",
+        "model.eval_samples=100", "model.judge_epochs=1", *QUIET, f"hydra.run.dir={run_dir}",
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "GPU available" in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: {path} does not decode as an image: "), last
+    assert [line for line in result.stderr.splitlines() if "error" in line.lower()] == [last]
+    assert not run_dir.exists()
 
 
 @pytest.mark.parametrize(("recipe", "override", "message"), OUT_OF_RANGE)

@@ -15,7 +15,16 @@ import pytest
 from copy_correct.lightning import EMACallback, StepProbe
 from copy_correct.probes import shares_storage
 from recipes.build import build
-from tests.conftest import OWN_IMAGES, QUIET, compose_config, run_train, warning_lines, write_images
+from recipes.networks import ConvClassifier
+from tests.conftest import (
+    OWN_IMAGES,
+    QUIET,
+    compose_config,
+    fit_on_a_uniform_folder,
+    run_train,
+    warning_lines,
+    write_own_images,
+)
 
 CONFIGS = [
     pytest.param((), id="as configured"),
@@ -25,8 +34,9 @@ CONFIGS = [
 
 @pytest.fixture(scope="module")
 def image_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Labelled 16x16 RGB images, three classes in subfolders: another data set, for another network."""
-    return write_images(tmp_path_factory.mktemp("labelled"), 60, size=16, classes=3)
+    """Labelled 16x16 images (RGB, or grey where the project's default data is), three classes in subfolders: another
+    data set, for another network."""
+    return write_own_images(tmp_path_factory.mktemp("labelled"), "ema", 60, classes=3)
 
 
 def test_default_run_ema_accuracy_at_least_live(tmp_path: Path) -> None:
@@ -64,3 +74,9 @@ def test_training_step_ema_update_allocates_nothing_and_memory_stays_flat(
         assert not shadow.requires_grad
         assert not any(shares_storage(shadow, t) for t in [*model.parameters(), *model.buffers(), *optimized])
     assert {id(p) for p in model.parameters()} == {id(p) for p in optimized}  # the optimiser has the model's, no more
+
+
+@pytest.mark.parametrize(("size", "channels"), [(32, 1), (48, 3)])
+def test_a_uniform_folder_trains_with_data_root_alone(size: int, channels: int, tmp_path: Path) -> None:
+    """Size and channels from the files, the CNN for 32 and 48 pixels; control in ``fit_on_a_uniform_folder``."""
+    assert isinstance(fit_on_a_uniform_folder("ema", size, channels, tmp_path).net, ConvClassifier)

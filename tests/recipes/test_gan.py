@@ -22,8 +22,17 @@ from copy_correct.lightning import GraphRetentionCallback
 from copy_correct.probes import CopyAudit, MemoryProbe
 from recipes import build as run_builder
 from recipes.gan import GAN, _bce, discriminator_loss
-from recipes.networks import ConvDiscriminator, has_batch_norm
-from tests.conftest import DEVICES, OWN_IMAGES, QUIET, compose_config, run_train, warning_lines, write_images
+from recipes.networks import ConvDiscriminator, ConvGenerator, has_batch_norm
+from tests.conftest import (
+    DEVICES,
+    OWN_IMAGES,
+    QUIET,
+    compose_config,
+    fit_on_a_uniform_folder,
+    run_train,
+    warning_lines,
+    write_own_images,
+)
 
 # Short runs: a judge of one epoch on the 100 samples the grid needs, no validation.
 SHORT = ("model.judge_epochs=1", "model.eval_samples=100", "trainer.limit_val_batches=0", "trainer.max_epochs=-1")
@@ -31,8 +40,9 @@ SHORT = ("model.judge_epochs=1", "model.eval_samples=100", "trainer.limit_val_ba
 
 @pytest.fixture(scope="module")
 def image_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Unlabelled 16x16 RGB images: another data set, for another network."""
-    return write_images(tmp_path_factory.mktemp("images"), 48, size=16)
+    """Unlabelled 16x16 images (RGB, or grey where the project's default data is): another data set, for another
+    network."""
+    return write_own_images(tmp_path_factory.mktemp("images"), "gan", 48)
 
 
 CONFIGS = [
@@ -238,3 +248,9 @@ def test_a_sharded_strategy_is_refused_in_setup(tmp_path: Path) -> None:
     model._device_mesh = object()  # what ModelParallelStrategy sets
     with pytest.raises(ValueError, match="recipe gan does not run sharded: it alternates two networks"):
         model.setup("fit")
+
+
+def test_a_uniform_grey_48_pixel_folder_trains_with_data_root_alone(tmp_path: Path) -> None:
+    """Size and channels from the files, DCGAN's networks for a 48-pixel side (control: ``fit_on_a_uniform_folder``)."""
+    model = fit_on_a_uniform_folder("gan", 48, 1, tmp_path, "model.eval_samples=100", "model.judge_epochs=1")
+    assert isinstance(model.generator, ConvGenerator)

@@ -1,6 +1,8 @@
 """``data=images``: a folder of image files, labelled by subfolder or not, decoded in DataLoader workers into uint8,
-made float on the device by the prefetcher's transform; every problem with the folder is one line naming the key or
-the file, found when the data module is made (before training)."""
+made float on the device by the prefetcher's transform; the images' size and channels taken from the files' headers
+(no pixel decoded) unless the config sets them; every problem with the folder is one line naming the key or the file
+(and, for a folder of mixed shapes, the override that fits it), found when the data module is made (before training),
+or, for a file that breaks later, where a worker reads it."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from PIL import Image
 
 from copy_correct import DeviceDataLoader
 from recipes.data.image_folder import ImageFiles, ImageFolderDataModule, scan_folder, to_unit_float
+from recipes.launch import BadInput
 from tests.conftest import DEVICES, write_images
 
 
@@ -96,7 +99,7 @@ def test_eval_images_are_the_first_of_the_split_in_unit_range(unlabelled: Path) 
 def test_resize_and_convert_fit_other_images_when_the_config_says_so(tmp_path: Path) -> None:
     Image.fromarray(np.full((20, 30, 4), 200, np.uint8), "RGBA").save(tmp_path / "wide.png")
     Image.fromarray(np.full((16, 16), 90, np.uint8), "L").save(tmp_path / "grey.png")
-    data = ImageFolderDataModule(str(tmp_path), image_size=16, num_workers=0, resize=True, convert=True)
+    data = ImageFolderDataModule(str(tmp_path), image_size=16, channels=3, num_workers=0, resize=True, convert=True)
     images = [data.train_set[i][0] for i in range(len(data.train_set))] + [data.val_set[0][0]]
     assert all(image.shape == (3, 16, 16) and image.dtype == torch.uint8 for image in images)
 
@@ -142,14 +145,22 @@ def _one_image(folder: Path) -> Path:
     return folder
 
 
+def _empty_class(folder: Path) -> Path:
+    write_images(folder / "cats", 3)
+    (folder / "dogs").mkdir()
+    (folder / "dogs" / "notes.txt").write_text("the dog pictures are still on my phone")
+    return folder
+
+
 BAD_FOLDERS = [
     ("undecodable file", _broken, "does not decode as an image", {}),
     ("truncated file", _truncated, "does not decode as an image", {"image_size": 64}),
     ("mixed sizes", _mixed_sizes, "is 16x32 and data.image_size=16 wants 16x16", {}),
-    ("mixed modes", _mixed_modes, "is a L image and data.channels=3 wants RGB", {}),
+    ("mixed modes", _mixed_modes, "is a L image and data.channels=3 wants RGB", {"channels": 3}),
     ("images beside class folders", _both, "holds both images (0000.png, ...) and class subfolders (cats", {}),
     ("no images", _empty, "holds no images (.png, .jpg", {}),
     ("one image", _one_image, "holds 1 image(s): too few to leave any for validation", {}),
+    ("an empty class folder", _empty_class, "has class folders (cats, ...), and 'dogs' holds no images", {}),
 ]
 
 
@@ -162,6 +173,118 @@ def test_a_bad_folder_is_one_line_naming_the_file_or_key(
         ImageFolderDataModule(str(tmp_path), **{"image_size": 16, "num_workers": 0, **options})
     message = str(refused.value)
     assert phrase in message and str(named) in message and "\n" not in message, message
+
+
+def _all_wide(folder: Path) -> Path:
+    for i in range(4):
+        Image.fromarray(np.zeros((16, 24, 3), np.uint8)).save(folder / f"{i:04d}.png")
+    return folder / "0000.png"
+
+
+def _all_rgba(folder: Path) -> Path:
+    for i in range(4):
+        Image.fromarray(np.zeros((16, 16, 4), np.uint8), "RGBA").save(folder / f"{i:04d}.png")
+    return folder / "0000.png"
+
+
+def _all_grey(folder: Path) -> Path:
+    write_images(folder, 4, channels=1)
+    return folder / "0000.png"
+
+
+# (id, folder, options, phrases of the one line, the override it names, the shape that override then gives)
+MIXED_FOLDERS = [
+    ("sizes from mixed files", _mixed_sizes, {}, ["tall.png is 16x32, but 4 of the 5 files are 16x16"],
+     {"image_size": 16, "resize": True}, (3, 16, 16)),
+    ("channels from mixed files", _mixed_modes, {}, ["grey.png is a L image, but 4 of the 5 files are RGB"],
+     {"channels": 3, "convert": True}, (3, 16, 16)),
+    ("sizes from files that are not square", _all_wide, {}, ["0000.png is 24x16, as are all 4 files"],
+     {"image_size": 16, "resize": True}, (3, 16, 16)),
+    ("channels from RGBA files", _all_rgba, {}, ["0000.png is a RGBA image, as are all 4 files"],
+     {"channels": 3, "convert": True}, (3, 16, 16)),
+    ("a size the files do not have", _all_grey, {"image_size": 32}, [
+        "0000.png is 16x16 and data.image_size=32 wants 32x32", "data.resize=true to scale the shorter side to 32",
+    ], {"image_size": 16}, (1, 16, 16)),
+    ("channels the files do not have", _all_grey, {"channels": 3}, [
+        "0000.png is a L image and data.channels=3 wants RGB", "data.convert=true to convert them as they load",
+    ], {"channels": 1}, (1, 16, 16)),
+]  # fmt: skip
+
+
+def _setting(override: dict) -> str:
+    return " ".join(f"data.{key}={str(value).lower()}" for key, value in override.items())
+
+
+@pytest.mark.parametrize(
+    ("make", "options", "phrases", "override", "shape"), [pytest.param(*case[1:], id=case[0]) for case in MIXED_FOLDERS]
+)
+def test_a_folder_of_other_shapes_names_a_file_and_an_override_that_then_fits_it(
+    make: Callable[[Path], Path], options: dict, phrases: list[str], override: dict, shape: tuple, tmp_path: Path
+) -> None:
+    """No refusal names an override that is itself refused: the data module made with the one it names takes the
+    folder, in the shape it says."""
+    make(tmp_path)
+    with pytest.raises(BadInput) as refused:
+        ImageFolderDataModule(str(tmp_path), num_workers=0, **options)
+    message = str(refused.value)
+    assert all(phrase in message for phrase in phrases) and "\n" not in message, message
+    assert f"set {_setting(override)}" in message, message
+    fitted = ImageFolderDataModule(str(tmp_path), num_workers=0, **{**options, **override})
+    assert fitted.image_shape == shape and fitted.val_set[0][0].shape == shape
+
+
+@pytest.mark.parametrize(("size", "channels"), [(32, 1), (48, 3)])
+def test_a_uniform_folder_gives_its_size_and_channels(size: int, channels: int, tmp_path: Path) -> None:
+    root = write_images(tmp_path, 8, size=size, channels=channels, classes=2)
+    data = ImageFolderDataModule(str(root), batch_size=4, num_workers=0)
+    assert data.image_shape == (channels, size, size)
+    images, labels = next(iter(data.train_dataloader()))
+    assert images.shape == (4, channels, size, size) and labels.shape == (4,)
+    other = 3 if channels == 1 else 1  # the control: a value the config sets wins, converted as the key says
+    converted = ImageFolderDataModule(str(root), channels=other, convert=True, num_workers=0)
+    assert converted.image_shape == (other, size, size) and converted.val_set[0][0].shape == (other, size, size)
+
+
+def test_reading_the_shape_decodes_no_pixels(labelled: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each file's size and mode come from its header: Pillow opens lazily, and ``load`` (the decoding) is called
+    for no file without ``data.verify``; the control, with it, decodes every file once."""
+    from PIL import ImageFile
+
+    loaded, load = [], ImageFile.ImageFile.load
+    monkeypatch.setattr(ImageFile.ImageFile, "load", lambda image: loaded.append(image.filename) or load(image))
+    assert ImageFolderDataModule(str(labelled), num_workers=0, verify=False).image_shape == (3, 16, 16)
+    assert loaded == []
+    ImageFolderDataModule(str(labelled), num_workers=0)
+    assert sorted(loaded) == sorted(str(f) for f in scan_folder(labelled)[0])
+
+
+class _Refuses(torch.utils.data.Dataset):
+    def __init__(self, error: type[ValueError]) -> None:
+        self.error = error
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        raise self.error("/data/0003.png does not decode as an image")
+
+
+def test_a_file_that_breaks_in_a_worker_is_one_line_naming_it(tmp_path: Path) -> None:
+    """``data.verify=false``: the broken file is found by the DataLoader worker that reads it, which raises
+    ``BadInput``; the DataLoader re-raises it in the main process, still one line naming the file. The control: a
+    ``ValueError`` raised in a worker comes back carrying the worker's whole traceback."""
+    path = _truncated(tmp_path)
+    data = ImageFolderDataModule(str(tmp_path), num_workers=2, verify=False, val_fraction=0.25, batch_size=2)
+    with pytest.raises(BadInput) as refused:
+        for loader in (data.train_dataloader(), data.val_dataloader()):
+            list(loader)
+    message = str(refused.value)
+    assert message.startswith(f"{path} does not decode as an image: ") and "\n" not in message, message
+    for error in (ValueError, BadInput):
+        with pytest.raises(error) as raised:
+            next(iter(torch.utils.data.DataLoader(_Refuses(error), num_workers=1)))
+        lines = str(raised.value).splitlines()
+        assert lines == ["/data/0003.png does not decode as an image"] if error is BadInput else len(lines) > 3, lines
 
 
 def test_missing_root_is_named(tmp_path: Path) -> None:

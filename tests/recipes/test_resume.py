@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from copy_correct.lightning import ResumeState
+from copy_correct.lightning.resume_data_order import TrainDataOrder
 from recipes.build import build
 from recipes.data.digits import DigitsDataModule
 from recipes.dqn import DQN
@@ -53,11 +54,12 @@ MUST_HOLD = {
 }
 ALWAYS = ["state_dict", "optimizer_states/0/state", "callbacks/ResumeState/rng/0/torch", "loops"]
 STEPS = {"ema": 4 * 90, "dqn": 7 * 16, "gan": 4 * 23 * 2, "atari": 120}  # optimizer steps at the last checkpoint
-WITHHELD = {  # the control: resuming without this leaves the run elsewhere
-    "ema": (DigitsDataModule, "load_state_dict"),  # the shuffle generator: epochs would repeat the first orders
-    "dqn": (DQN, "replay_episode"),  # the episode in progress: the environment would start a new one
-    "gan": (ResumeState, "on_train_start"),  # the global generators: other latents, other dropout masks
-    "atari": (DQN, "replay_episode"),  # the game in progress, lives lost and all
+WITHHELD = {  # the control: resuming without these leaves the run elsewhere
+    # the shuffle generator, kept by the data module and by ResumeState: epochs would repeat the first orders
+    "ema": [(DigitsDataModule, "load_state_dict"), (TrainDataOrder, "on_train_start")],
+    "dqn": [(DQN, "replay_episode")],  # the episode in progress: the environment would start a new one
+    "gan": [(ResumeState, "on_train_start")],  # the global generators: other latents, other dropout masks
+    "atari": [(DQN, "replay_episode")],  # the game in progress, lives lost and all
 }
 
 
@@ -159,7 +161,12 @@ def test_killed_run_resumed_from_its_directory_ends_bit_for_bit_as_the_uninterru
         assert present(final, path), path
     assert differences(final, final_resumed) == []
 
-    monkeypatch.setattr(*WITHHELD[recipe], lambda *args: None)
+    for owner, name in WITHHELD[recipe]:
+        monkeypatch.setattr(owner, name, lambda *args: None)
+    if recipe == "atari":  # a new game's frames do not continue the stream the replay holds: the buffer refuses them
+        with pytest.raises(ValueError, match="does not continue its stream"):
+            resume_in_process(recipe, killed / "checkpoints" / "last.ckpt", tmp_path / "control")
+        return
     control = load(resume_in_process(recipe, killed / "checkpoints" / "last.ckpt", tmp_path / "control"))
     assert control["global_step"] == STEPS[recipe]
     assert any(d.startswith("/state_dict/") for d in differences(final, control))
