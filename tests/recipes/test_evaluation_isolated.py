@@ -14,7 +14,6 @@ images for the ``gan`` judge (each against a control that does draw).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +31,7 @@ from recipes.dqn import DQN
 from recipes.ema import NoisyClassifier
 from recipes.metrics import DigitsClassifier
 from tests.conftest import ON_CPU, QUIET, compose_config, write_images
+from tests.state_differences import differences, present
 
 # Short runs: 3 epochs of 3 batches, validation on one batch.
 EPOCHS = ("trainer.max_epochs=3", "trainer.limit_train_batches=3", "trainer.limit_val_batches=1")
@@ -98,38 +98,9 @@ def training_state(recipe: str, tmp_path: Path, *overrides: str) -> dict[str, An
     return state
 
 
-def differences(a: Any, b: Any, path: str = "") -> list[str]:
-    """Paths at which ``a`` and ``b`` differ: tensors and arrays bit for bit, anything else by ``==``."""
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        if set(a) != set(b):
-            return [f"{path}: keys {sorted(map(str, set(a) ^ set(b)))}"]
-        return [d for k in a for d in differences(a[k], b[k], f"{path}/{k}")]
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return [f"{path}: length {len(a)} vs {len(b)}"]
-        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in differences(x, y, f"{path}/{i}")]
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return [] if a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) else [path]
-    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
-        return [] if a.dtype == b.dtype and np.array_equal(a, b) else [path]
-    return [] if type(a) is type(b) and a == b else [path]
-
-
-def holds(state: Mapping[str, Any], path: str) -> bool:
-    node: Any = state
-    for part in path.split("/"):
-        if isinstance(node, Mapping) and part in node:
-            node = node[part]
-        elif isinstance(node, (list, tuple)) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return False
-    return not isinstance(node, (Mapping, list, tuple, torch.Tensor)) or len(node) > 0
-
-
 def assert_same_training(recipe: str, often: dict[str, Any], once: dict[str, Any]) -> None:
     for path in ALWAYS + MUST_HOLD[recipe]:
-        assert holds(once, path), path
+        assert present(once, path), path
     assert LOGGED[recipe] <= set(once["logged"][-1])
     assert differences(often, once) == []
 

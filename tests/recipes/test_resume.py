@@ -9,13 +9,11 @@ so each piece is needed and an equality here is not an empty one."""
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +26,7 @@ from recipes.build import build
 from recipes.data.digits import DigitsDataModule
 from recipes.dqn import DQN
 from tests.conftest import ON_CPU, QUIET, ROOT, compose_config, run_train
+from tests.state_differences import differences, present
 
 RUNS = {
     "ema": ["trainer.max_epochs=4"],
@@ -101,36 +100,6 @@ def load(path: Path) -> dict[str, Any]:
     checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     checkpoint["callbacks"] = {k: v for k, v in checkpoint["callbacks"].items() if not k.startswith("ModelCheckpoint")}
     return checkpoint
-
-
-def differences(a: Any, b: Any, path: str = "") -> list[str]:
-    """Paths at which ``a`` and ``b`` differ: tensors by dtype, shape and ``torch.equal``, floats bit for bit."""
-    if isinstance(a, Mapping) and isinstance(b, Mapping):
-        if set(a) != set(b):
-            return [f"{path}: keys {sorted(map(str, set(a) ^ set(b)))}"]
-        return [d for k in a for d in differences(a[k], b[k], f"{path}/{k}")]
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and type(a) is type(b):
-        if len(a) != len(b):
-            return [f"{path}: length {len(a)} vs {len(b)}"]
-        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in differences(x, y, f"{path}/{i}")]
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        same = a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-        return [] if same else [path]
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return []
-    return [] if type(a) is type(b) and a == b else [path]
-
-
-def present(checkpoint: Mapping[str, Any], path: str) -> bool:
-    node: Any = checkpoint
-    for part in path.split("/"):
-        if isinstance(node, Mapping) and part in node:
-            node = node[part]
-        elif isinstance(node, (list, tuple)) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            return False
-    return not isinstance(node, (Mapping, list, tuple, torch.Tensor)) or len(node) > 0
 
 
 NEEDS_ALE = pytest.mark.skipif(importlib.util.find_spec("ale_py") is None, reason="the atari extra (ale-py)")
