@@ -15,6 +15,19 @@ Copy contract:
 * A model in float16/bfloat16 gets a float32 shadow (``shadow_dtype=None``): at decay 0.9999 a bf16
   shadow rounds every small update away. A group whose shadow dtype or device differs from the model's
   keeps a staging copy of the live tensors in the shadow's dtype and device, allocated once.
+* ``skip_nonfinite=True`` (off by default, see below): an update whose live parameters or floating buffers hold any
+  NaN or Inf leaves the shadow bit for bit as it was (``-0.0`` entries, integer buffers and a copy before
+  ``start_step`` included), decided on the device: no value is read back, nothing is allocated per update, every
+  kernel runs whatever the flag holds (``copy_correct._nonfinite`` says how, and why it is exact). It keeps one flat
+  staging copy of the live values (one copy of the weights), made once. The warm-up counts applied updates only, on
+  the device: the next clean update is made as if the skipped ones had never been, and a clean guarded update is the
+  plain one (bit for bit on CPU). ``update_every`` and ``start_step`` still count calls, skipped or not;
+  ``num_updates`` counts updates made, skipped ones too. ``skipped`` reads the count (a sync, the reader's);
+  ``state_dict`` saves it and the warm-up's position. A model already non-finite at construction, and a sharded
+  one (each rank would decide alone), are refused. Not the default because it costs more than the update itself: it
+  moves the weights' bytes about 8 times where the plain update moves them 3 (copy, check, mask, lerp); measured on
+  the large models of ``benchmarks/ema.py`` (2 CPU threads, ``docs/recipes/ema.md`` section 9), about 3x the plain
+  update's time.
 * ``average_weights(model)`` copies the average into the model for the block and the live values back on exit (an
   exception, ``KeyboardInterrupt`` included, too), bit for bit, through one backup of the live values per (device,
   dtype) group, allocated on entry and freed on exit (one copy of the model's weights: diffusers' ``store``/``restore``
@@ -85,6 +98,7 @@ from torch import nn
 from copy_correct._flat import flat_views
 from copy_correct._foreach_writes import foreach_copy_, foreach_lerp_
 from copy_correct._module_tensors import TensorRefs, state_entries, unwrap
+from copy_correct._nonfinite import NonFiniteGuard
 from copy_correct._sharding import from_local, is_sharded, layout, local, local_part, reshard
 
 __all__ = ["EMA"]
@@ -132,6 +146,9 @@ class EMA:
             models, the model's dtype otherwise.
         device: where the shadow lives; ``None``: beside each model tensor. ``"cpu"`` keeps a GPU model's
             average in host memory (each update then waits for a device-to-host copy).
+        skip_nonfinite: skip, on the device, every update whose live values hold a NaN or an Inf, leaving the average
+            bit for bit as it was and the warm-up where it was; ``skipped`` counts them. Off by default: the update
+            takes about 3x as long (measured on CPU), and a staging copy of the weights is kept.
     """
 
     def __init__(
@@ -146,6 +163,7 @@ class EMA:
         include_buffers: bool = True,
         shadow_dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
+        skip_nonfinite: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -167,8 +185,9 @@ class EMA:
         self.include_buffers = include_buffers
         self.shadow_dtype = shadow_dtype
         self.device = torch.device(device) if device is not None else None
+        self.skip_nonfinite = skip_nonfinite
         self.step = 0  # calls of update()
-        self.num_updates = 0  # averaging updates applied (the warm-up's k)
+        self.num_updates = 0  # averaging updates made (the warm-up's k; under skip_nonfinite, skipped ones too)
         self._shadow: dict[str, torch.Tensor] = {}
         self._groups: list[_Group] = []
         tracked = unwrap(model)
@@ -179,9 +198,29 @@ class EMA:
                 f"device={device!r} is not supported for a sharded (FSDP2) model: leave device=None, each rank's "
                 "shadow then lives beside its shards"
             )
+        if self.sharded and skip_nonfinite:
+            raise ValueError(
+                "skip_nonfinite=True is not supported for a sharded (FSDP2) model: each rank sees only its shards, so "
+                "the ranks could decide differently and leave the average half updated"
+            )
         self._swap: _Swap | None = None  # set while average_weights holds the average in the model
         self._share_checked = False  # initial_share is checked once, when the average is first used
         self._shadow, self._groups = self._build(tracked)
+        self._guard: NonFiniteGuard | None = None
+        if skip_nonfinite:
+            home = self._groups[0].shadows[0].device if self._groups else torch.device("cpu")
+            self._skipped = torch.zeros((), dtype=torch.float64, device=home)  # updates skipped
+            self._applied = torch.zeros((), dtype=torch.float64, device=home)  # averaging updates applied: the k
+            nonfinite = [
+                name for name, t in self._shadow.items() if t.is_floating_point() and not torch.isfinite(local(t)).all()
+            ]
+            if nonfinite:
+                raise ValueError(
+                    f"skip_nonfinite=True, but the model's {nonfinite[:5]} hold NaN or Inf now, so every update would "
+                    "be skipped (a floating buffer filled with -inf, say an attention mask: store it as bool, or "
+                    "leave it out of the state_dict with persistent=False)"
+                )
+            self._arm()
 
     # -- construction -------------------------------------------------------------------------------
 
@@ -216,8 +255,8 @@ class EMA:
                 group.live.append(live, owner)
                 group.names.append(name)
                 group.parameters.append(owner is None)
-                if shadow.dtype != live.dtype or shadow.device != live.device:
-                    group.staging.append(torch.empty_like(shadow))
+                if (shadow.dtype != live.dtype or shadow.device != live.device) and not self.skip_nonfinite:
+                    group.staging.append(torch.empty_like(shadow))  # the guard stages every group itself
         if given is not None:
             untracked = sorted(set(given) - set(shadows))
             if untracked:
@@ -275,6 +314,13 @@ class EMA:
             )
         self._shadow, self._groups = self._build(tracked, self._shadow)
         self._model = tracked
+        self._arm()
+
+    def _arm(self) -> None:
+        """Under ``skip_nonfinite``, the guard's scratch for the groups (built with them; the counters are kept)."""
+        if self.skip_nonfinite:
+            groups = [(group.shadows, group.average) for group in self._groups]
+            self._guard = NonFiniteGuard(groups, self._skipped, self._applied)
 
     def __getstate__(self) -> dict[str, Any]:
         """What ``pickle`` and ``copy.deepcopy`` copy: the settings, the counters and the shadow (new storage in the
@@ -286,7 +332,7 @@ class EMA:
                 "an EMA of a sharded (FSDP2) model cannot be pickled or copied: save its state_dict() with "
                 "torch.distributed.checkpoint and load it into EMA(model) of the sharded model"
             )
-        return {**self.__dict__, "_model": None, "_groups": [], "_swap": None}
+        return {**self.__dict__, "_model": None, "_groups": [], "_swap": None, "_guard": None}
 
     @staticmethod
     def _checked_lives(group: _Group) -> list[torch.Tensor]:
@@ -306,7 +352,8 @@ class EMA:
     # -- the update -----------------------------------------------------------------------------------
 
     def decay_at(self, k: int) -> float:
-        """The decay used for averaging update number ``k`` (0-based), warm-up included."""
+        """The decay used for averaging update number ``k`` (0-based), warm-up included. ``k`` is ``num_updates``;
+        under ``skip_nonfinite`` it is the number of updates applied, counted and used on the device."""
         if not self.warmup:
             return self.decay
         return min(self.decay, 1.0 - (1.0 + k) ** -self.warmup_power)
@@ -316,7 +363,8 @@ class EMA:
         """The share of the average that is still the weights it started from (at construction, or at its last
         copy before ``start_step``): the product of the decays applied so far. With the warm-up, the first update's
         decay is 0, so this is 0 from then on; without it, ``decay ** num_updates`` (0.999 over 300 updates: 0.74).
-        Computed from the counters on the host: no tensor is read."""
+        Computed from the counters on the host: no tensor is read (so under ``skip_nonfinite`` skipped updates count as
+        made)."""
         if self.num_updates == 0:
             return 1.0
         return 0.0 if self.warmup else self.decay**self.num_updates  # the ramp's decay_at(0) is 0
@@ -342,7 +390,8 @@ class EMA:
 
         In place, under ``no_grad``, no allocation, no host synchronisation (shadow beside the model).
         ``model`` defaults to the one given at construction (passing it wrapped in DDP or
-        ``torch.compile`` is fine). Inside ``average_weights`` it raises.
+        ``torch.compile`` is fine). Inside ``average_weights`` it raises. Under ``skip_nonfinite``, live values holding
+        a NaN or an Inf leave the shadow as it was, decided on the device.
         """
         if self._swap is not None:
             raise RuntimeError(
@@ -355,23 +404,34 @@ class EMA:
         copy = step < self.start_step
         if not copy and (step - self.start_step) % self.update_every:
             return
-        weight = 1.0 - self.decay_at(self.num_updates)
         grad_was_enabled = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)  # a `with torch.no_grad()` block costs more than a small model's update
         try:
-            for group in self._groups:
-                lives = self._checked_lives(group)
-                if group.staging:
-                    foreach_copy_(group.staging, lives)
-                    lives = group.staging
-                if group.average and not copy:
-                    foreach_lerp_(group.shadows, lives, weight)
-                else:
-                    foreach_copy_(group.shadows, lives)
+            if self._guard is not None:
+                for index, group in enumerate(self._groups):
+                    foreach_copy_(self._guard.staging(index), self._checked_lives(group))
+                self._guard.update(copy, self.decay, self.warmup_power if self.warmup else None)
+            else:
+                weight = 1.0 - self.decay_at(self.num_updates)
+                for group in self._groups:
+                    lives = self._checked_lives(group)
+                    if group.staging:
+                        foreach_copy_(group.staging, lives)
+                        lives = group.staging
+                    if group.average and not copy:
+                        foreach_lerp_(group.shadows, lives, weight)
+                    else:
+                        foreach_copy_(group.shadows, lives)
         finally:
             torch._C._set_grad_enabled(grad_was_enabled)
         if not copy:
             self.num_updates += 1
+
+    @property
+    def skipped(self) -> int:
+        """How many updates ``skip_nonfinite`` skipped (0 without it). The count is kept on the device: reading it
+        waits for the updates queued before (a sync, once per read, never in ``update``)."""
+        return int(self._skipped) if self.skip_nonfinite else 0
 
     # -- using the average ----------------------------------------------------------------------------
 
@@ -522,8 +582,11 @@ class EMA:
     def state_dict(self) -> dict[str, Any]:
         """Counters and the average (``shadow``'s tensors, aliased like ``Module.state_dict``: save it before the
         next update, or inside the ``average_weights`` block it was taken in); loads with ``weights_only=True``.
-        Sharded: the tensors are ``DTensor``s, and ``layout`` says how each is spread."""
+        Sharded: the tensors are ``DTensor``s, and ``layout`` says how each is spread. Under ``skip_nonfinite`` also
+        ``skipped`` and ``applied_updates`` (the warm-up's position), read from the device."""
         state = {"decay": self.decay, "step": self.step, "num_updates": self.num_updates, "shadow": dict(self.shadow)}
+        if self.skip_nonfinite:  # read from the device: a sync per save
+            state |= {"skipped": self.skipped, "applied_updates": int(self._applied)}
         if self.sharded:
             state["layout"] = self.layout()
         return state
@@ -556,7 +619,8 @@ class EMA:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Copy a saved average and counters in place (into ``shadow``'s tensors), after ``check_state``. A sharded
         EMA takes ``DTensor``s or full tensors, of which each rank copies its own part (nothing is sent). Inside
-        ``average_weights`` the model gets the loaded average too, for the rest of the block."""
+        ``average_weights`` the model gets the loaded average too, for the rest of the block. A state without
+        ``skipped`` and ``applied_updates`` (saved without ``skip_nonfinite``) counts none skipped."""
         self.check_state(state)
         with torch.no_grad():
             for name, tensor in state["shadow"].items():
@@ -571,6 +635,9 @@ class EMA:
                 self._swap.versions = _versions(self._swap.pairs)
         self.step = int(state.get("step", 0))
         self.num_updates = int(state.get("num_updates", 0))
+        if self.skip_nonfinite:  # a state saved without the guard: nothing skipped, every update applied
+            self._skipped.fill_(int(state.get("skipped", 0)))
+            self._applied.fill_(int(state.get("applied_updates", self.num_updates)))
 
     def __repr__(self) -> str:
         tensors = len({id(t) for t in self.shadow.values()})

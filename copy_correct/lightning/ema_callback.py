@@ -29,6 +29,9 @@ reaches the average.
   trains on from the average (Lightning warns that the checkpoint's callback is missing).
 * Checkpoints hold the EMA state (callback state, tensors and numbers only: loads with
   ``weights_only=True``); resuming restores it, so a resumed run continues the same average.
+* ``skip_nonfinite=True``: an update whose live weights or floating buffers hold a NaN or an Inf is skipped on the
+  device (``copy_correct.ema``); the count is logged as ``ema/skipped`` at the end of each training epoch, read
+  once per epoch (a sync), never per step.
 * Whenever a checkpoint is saved, it holds the same thing: a save during an EMA pass (``ModelCheckpoint`` on
   validation end, a mid-epoch validation, a callback or module hook calling ``trainer.save_checkpoint``, weights-only
   ones included) steps out of the pass: the live weights are copied back for the save and the average in after it,
@@ -86,8 +89,8 @@ _CHECKPOINT_WEIGHTS = ("ema", "live")
 
 
 class EMACallback(pl.Callback):
-    """Args: those of ``EMA`` (``decay`` … ``device``), plus ``evaluate``, ``suffix``, ``checkpoint_weights`` and
-    ``ema_weights_at_end``."""
+    """Args: those of ``EMA`` (``decay`` … ``skip_nonfinite``), plus ``evaluate``, ``suffix``,
+    ``checkpoint_weights`` and ``ema_weights_at_end``."""
 
     def __init__(
         self,
@@ -100,6 +103,7 @@ class EMACallback(pl.Callback):
         include_buffers: bool = True,
         shadow_dtype: torch.dtype | None = None,
         device: str | None = None,
+        skip_nonfinite: bool = False,
         evaluate: str = "both",
         suffix: str = "_ema",
         checkpoint_weights: str = "ema",
@@ -120,6 +124,7 @@ class EMACallback(pl.Callback):
             "include_buffers": include_buffers,
             "shadow_dtype": shadow_dtype,
             "device": device,
+            "skip_nonfinite": skip_nonfinite,
         }
         EMA(torch.nn.BatchNorm1d(1), **self._ema_kwargs)  # bad arguments fail now; no random init drawn
         self.evaluate = evaluate
@@ -239,6 +244,12 @@ class EMACallback(pl.Callback):
             if ema.include_buffers:
                 self._buffers_from_rank_zero(trainer, pl_module)
             ema.update(pl_module)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Log how many updates ``skip_nonfinite`` skipped so far: one read of the device counter per epoch. Every
+        rank counts the same (the same parameters, rank 0's buffers), so rank 0 logs it."""
+        if self.ema is not None and self.ema.skip_nonfinite:
+            pl_module.log("ema/skipped", float(self.ema.skipped), on_step=False, on_epoch=True, rank_zero_only=True)
 
     def _buffers_from_rank_zero(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Under DDP each rank's forward updates its own BatchNorm statistics; DDP copies rank 0's to all

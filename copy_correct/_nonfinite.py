@@ -1,0 +1,179 @@
+"""``NonFiniteGuard``: an average updated in place skips, on the device, every update whose live values hold a NaN or an
+Inf, and leaves itself bit for bit as it was (``-0.0`` entries included).
+
+Copy contract: the guard allocates once, at construction, one flat staging tensor per group (the live values, in the
+average's dtype and device: one copy of the weights) and a few 0-dim tensors (flags, counters, the weight). An update
+then allocates nothing, reads nothing back to the host and decides nothing on the host: the decision is a 0-dim flag
+on the device, and every kernel of the update runs whatever it holds. The live tensors are only read (copied into
+the staging); each average tensor's version rises by exactly one per update, skipped or not (as
+``copy_correct._foreach_writes``). ``skipped`` and ``applied`` are device counters: reading them is a sync, the
+reader's, never the update's. Groups on several devices (a model spread over GPUs) bring their checks to the first
+group's device and take the flag back, device to device; a CPU shadow of a CUDA model waits for its device-to-host
+copies anyway. Not for a sharded average: each rank would decide on its own shards (``EMA`` refuses it).
+
+How one update decides and stays exact, per group (``update``):
+
+1. The caller copies the live values into the flat staging (``staging``), which the guard then writes.
+2. ``torch.aminmax(flat)``: one reduction per group, reading the staging once; both ends propagate a NaN, and an
+   infinite element is one of them. ``max(high, -low)``, the largest magnitude, is finite exactly when every element
+   is (a maximum cannot overflow, a sum could); the groups' meet in one 0-dim maximum, and ``good`` is
+   ``largest < inf``. (``torch.linalg.vector_norm(flat, inf)`` says the same, measured 10x slower on CPU.)
+3. Averaging: ``lerp_(average, X, w)`` with ``X`` the staging zeroed when the update is bad (its bits times
+   ``good``, in the integers of its width: ``+0.0``; a float product would keep ``0 * NaN = NaN``) and ``w`` the
+   weight when good, ``-0.0`` when bad. A bad update then computes ``a + (-0.0) * (0 - a)`` = ``a + (-0.0)`` = ``a``
+   for every finite ``a``, ``-0.0`` included (``a + (+0.0)`` would turn ``-0.0`` into ``+0.0``); a good one is the
+   unguarded ``lerp_`` with the same weight, bit for bit (float32 and float64 averages: a float16/bfloat16
+   average's weight is rounded to its dtype, since ``lerp`` takes a tensor weight of its own dtype).
+   ``torch._foreach_lerp_`` has no 0-dim tensor weight: the weight list is the 0-dim weight expanded (CPU, whose
+   foreach runs per tensor anyway) or one flat weight tensor filled from it each update (CUDA, where only
+   same-shaped dense lists take the fused path).
+4. Copying (integer buffers, and every tensor before ``start_step``): a select in the integers of the same width,
+   ``a += (x - a) * good``, exact for any bit pattern (integer arithmetic wraps), so a copy is bit for bit and a
+   skipped copy leaves the average as it was.
+5. ``skipped += not good``; an averaging update also does ``applied += good``: the warm-up's position, from which
+   the next weight is computed on the device, counts applied updates only, so the next update after a skipped one
+   is made as if the skipped one had never been.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from copy_correct._flat import flat_views
+
+__all__ = ["NonFiniteGuard"]
+
+# the integer dtype of each element size: a float's bits, selected exactly (bool viewed as uint8: no bool subtraction)
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class _Staged:
+    """One group's scratch: the flat staging and its views shaped like the averages, integer views of both for the
+    select, and, for an averaging group, the 0-dim weight in the average's dtype and the list ``lerp_`` takes."""
+
+    def __init__(self, averages: list[torch.Tensor], average: bool) -> None:
+        dtype = averages[0].dtype
+        if dtype.itemsize not in _BITS:
+            raise ValueError(f"skip_nonfinite cannot copy {dtype} tensors exactly: no integer dtype of their size")
+        self.average = average
+        self.averages = averages
+        self.flat, self.views = flat_views(averages)
+        device = self.flat.device
+        bits = _BITS[dtype.itemsize]
+        self.average_bits = [t.view(bits) for t in averages]
+        self.view_bits = [t.view(bits) for t in self.views]
+        self.flat_bits = self.flat.view(bits)
+        self.keep = torch.ones((), dtype=bits, device=device)  # 1: a good update, 0: a bad one; in the bits' dtype
+        self.extremes: tuple[torch.Tensor, torch.Tensor] | None = None  # None: nothing to check (integers; empty)
+        self.weight = torch.zeros((), dtype=dtype, device=device)
+        self.flat_weight: torch.Tensor | None = None  # CUDA: the weight in every element, refilled each update
+        self.weights: list[torch.Tensor] = []
+        if average:
+            if self.flat.numel():
+                self.extremes = (torch.zeros_like(self.weight), torch.zeros_like(self.weight))
+            if device.type == "cpu":
+                self.weights = [self.weight.expand_as(t) for t in averages]
+            else:
+                self.flat_weight, self.weights = flat_views(averages)
+
+
+class NonFiniteGuard:
+    """The scratch and flags that skip a non-finite update of ``groups`` (each: the average's tensors, of one dtype
+    and device, and whether they are averaged or copied), counting into ``skipped`` and ``applied`` (0-dim float64
+    tensors, exact counts below 2**53, on one of the groups' devices, which the owner keeps across guards).
+
+    Every operand of every operation has the dtype of the others (the 0-dim flags are kept in each dtype they meet), so
+    no kernel casts through a temporary: nothing is allocated, not even inside a kernel, where the probes cannot see."""
+
+    def __init__(
+        self, groups: Sequence[tuple[list[torch.Tensor], bool]], skipped: torch.Tensor, applied: torch.Tensor
+    ) -> None:
+        self.groups = [_Staged(averages, average) for averages, average in groups]
+        self.skipped, self.applied = skipped, applied
+        home = skipped.device
+        self._good = torch.ones((), dtype=torch.bool, device=home)
+        self._good64 = torch.ones((), dtype=torch.float64, device=home)
+        self._bad64 = torch.zeros((), dtype=torch.float64, device=home)
+        self._largest = torch.zeros((), dtype=torch.float64, device=home)  # the largest |x| of the update
+        self._largest_here = torch.zeros((), dtype=torch.float64, device=home)  # one group's, brought home
+        self._inf = torch.tensor(float("inf"), dtype=torch.float64, device=home)
+        self._one = torch.ones((), dtype=torch.float64, device=home)
+        self._minus_zero = torch.tensor(-0.0, dtype=torch.float64, device=home)
+        self._weight = torch.zeros((), dtype=torch.float64, device=home)
+
+    def staging(self, index: int) -> list[torch.Tensor]:
+        """Where group ``index``'s live values go before ``update``: views of its flat staging."""
+        return self.groups[index].views
+
+    def update(self, copy: bool, decay: float, warmup_power: float | None) -> None:
+        """Average (``copy``: copy) the staged live values into the averages, unless any of them is NaN or Inf.
+
+        The averaging weight is ``1 - decay``, or with a warm-up (``warmup_power``) ``EMA.decay_at``'s ramp at the
+        position ``applied``: ``1 - min(decay, 1 - (1 + applied) ** -warmup_power)``."""
+        self._check()
+        if not copy:
+            self._set_weight(decay, warmup_power)
+            torch.where(self._good, self._weight, self._minus_zero, out=self._weight)
+        for group in self.groups:
+            if group.average and not copy:
+                self._lerp(group)
+            else:
+                self._select(group)
+        self.skipped.add_(self._bad64)
+        if not copy:
+            self.applied.add_(self._good64)
+
+    def _check(self) -> None:
+        self._largest.zero_()
+        for group in self.groups:
+            if group.extremes is not None:
+                low, high = group.extremes
+                torch.aminmax(group.flat, out=(low, high))
+                torch.neg(low, out=low)
+                torch.maximum(low, high, out=low)  # the largest magnitude; NaN wins
+                self._largest_here.copy_(low, non_blocking=True)
+                torch.maximum(self._largest, self._largest_here, out=self._largest)
+        torch.lt(self._largest, self._inf, out=self._good)
+        self._good64.copy_(self._good)
+        torch.sub(self._one, self._good64, out=self._bad64)
+        for group in self.groups:
+            group.keep.copy_(self._good, non_blocking=True)
+
+    def _set_weight(self, decay: float, warmup_power: float | None) -> None:
+        """``self._weight``: ``EMA.decay_at``'s operations, in its order and precision (float64), so the weight is the
+        host's (on CPU bit for bit; a CUDA ``pow`` may differ from the host's in the last bit of a double, which the
+        rounding to float32 removes but for a tie)."""
+        weight = self._weight
+        if warmup_power is None:
+            weight.fill_(1.0 - decay)
+            return
+        torch.add(self.applied, self._one, out=weight)  # 1 + k
+        torch.pow(weight, -warmup_power, out=weight)
+        torch.sub(self._one, weight, out=weight)
+        weight.clamp_max_(decay)  # min(decay, 1 - (1 + k) ** -power)
+        torch.sub(self._one, weight, out=weight)
+
+    def _lerp(self, group: _Staged) -> None:
+        group.weight.copy_(self._weight, non_blocking=True)  # double to the average's dtype, as lerp_ rounds a scalar
+        if group.flat_weight is not None:
+            group.flat_weight.copy_(group.weight.expand_as(group.flat_weight))
+        group.flat_bits.mul_(group.keep)  # bad: every bit 0, +0.0
+        _bumped(torch._foreach_lerp_, group.averages, group.views, group.weights)
+
+    def _select(self, group: _Staged) -> None:
+        torch._foreach_sub_(group.view_bits, group.average_bits)  # x - a
+        group.flat_bits.mul_(group.keep)  # (x - a) * good
+        _bumped(torch._foreach_add_, group.average_bits, group.view_bits)  # a + (x - a) * good
+
+
+def _bumped(op: Callable[..., Any], dst: list[torch.Tensor], *args: Any) -> None:
+    """``op(dst, *args)``, an in-place foreach call, with every ``dst`` version raised by one on every device (a fused
+    CUDA kernel may leave them as they were: ``copy_correct._foreach_writes``)."""
+    first = dst[0]
+    before = first._version
+    op(dst, *args)
+    if first._version == before:
+        torch._C._increment_version(dst)
