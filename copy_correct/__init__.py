@@ -18,6 +18,11 @@ Tensor parts:
     map_tensors          a function applied to every tensor of a nested batch, the structure kept
     DeviceDataLoader     a DataLoader whose iterator is a DevicePrefetcher (DDP samplers still injected)
     make_loader          a loader that pins only for an accelerator, with or without the prefetcher
+    PowerEMA             power-function EMA profiles (EDM2), updated in place per step, snapshotted atomically
+    synthesize           the EMA of any sigma_rel at any step, combined tensor by tensor from PowerEMA snapshots (mmap)
+    solve_coefficients   post-hoc EMA's float64 least-squares coefficients: normalised, later snapshots left out
+    sigma_rel_to_gamma   EDM2's power-function exponent gamma of a relative standard deviation sigma_rel
+    gamma_to_sigma_rel   the relative standard deviation of the power function of exponent gamma
     CheckpointMismatch   raised while restoring a checkpoint that does not fit the run (train.py: one line, exit 2)
 """
 
@@ -27,6 +32,9 @@ from copy_correct.errors import CheckpointMismatch
 from copy_correct.frame_replay import FrameReplayBuffer
 from copy_correct.freeze import frozen
 from copy_correct.grad_average import GradientAverager
+from copy_correct.posthoc_ema import synthesize
+from copy_correct.power_ema import PowerEMA
+from copy_correct.power_function import gamma_to_sigma_rel, sigma_rel_to_gamma, solve_coefficients
 from copy_correct.prefetch import DevicePrefetcher, map_tensors
 from copy_correct.replay import ReplayBuffer
 from copy_correct.target import hard_update, make_target, soft_update
@@ -38,11 +46,16 @@ __all__ = [
     "DevicePrefetcher",
     "FrameReplayBuffer",
     "GradientAverager",
+    "PowerEMA",
     "ReplayBuffer",
     "frozen",
+    "gamma_to_sigma_rel",
     "hard_update",
     "make_loader",
     "make_target",
     "map_tensors",
+    "sigma_rel_to_gamma",
     "soft_update",
+    "solve_coefficients",
+    "synthesize",
 ]

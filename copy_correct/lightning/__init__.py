@@ -3,6 +3,7 @@ modules of the package that import Lightning.
 
 Adapters:
     EMACallback          an EMA of the module, updated per optimizer step, evaluated, checkpointed
+    PostHocEMACallback   PowerEMA profiles of the module per optimizer step, snapshotted for post-hoc EMA
     ResumeState          every rank's RNG states, recipe and seed in checkpoints; exact resume
     check_checkpoint     raises ``ValueError`` unless a checkpoint was stamped with this recipe and seed
     IsolatedEvaluation   each validation in ``fit`` leaves torch's generators as training left them
@@ -22,6 +23,7 @@ from copy_correct.lightning.data_wait import DataWaitMonitor
 from copy_correct.lightning.ema_callback import EMACallback
 from copy_correct.lightning.graph_guard import GraphRetentionCallback
 from copy_correct.lightning.isolated_evaluation import IsolatedEvaluation
+from copy_correct.lightning.posthoc_ema_callback import PostHocEMACallback
 from copy_correct.lightning.resume import ResumeState, check_checkpoint
 from copy_correct.lightning.run_summary import RunSummary
 from copy_correct.lightning.step_probe import StepProbe
@@ -33,6 +35,7 @@ __all__ = [
     "EMACallback",
     "GraphRetentionCallback",
     "IsolatedEvaluation",
+    "PostHocEMACallback",
     "ResumeState",
     "RunSummary",
     "StepProbe",

@@ -47,7 +47,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 
-from copy_correct.lightning.atomic_checkpoint import fsync_directory
+from copy_correct._atomic_save import fsync_directory
 from copy_correct.lightning.resume import DISTRIBUTED_METADATA
 
 __all__ = ["AtomicModelParallelStrategy"]

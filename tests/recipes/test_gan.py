@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from copy_correct.lightning import GraphRetentionCallback
+from copy_correct.posthoc_ema import load_snapshot, snapshot_paths
 from copy_correct.probes import CopyAudit, MemoryProbe
 from recipes import build as run_builder
 from recipes.gan import GAN, _bce, discriminator_loss
@@ -239,6 +240,29 @@ def test_default_run_samples_are_confident_and_cover_every_class(tmp_path: Path)
     assert m["quality/confidence_ema"] >= 0.75
     assert m["quality/min_class_fraction_ema"] >= 0.04
     assert m["quality/fid_ema"] > m["quality/fid_floor"]  # the floor is a floor
+
+
+def test_the_generators_posthoc_snapshots_change_nothing_in_training(tmp_path: Path) -> None:
+    """``callbacks.posthoc_ema`` (on by default): profiles and snapshots of the generator alone, named as the GAN's
+    ``state_dict``; the run ends with every weight, the EMA and torch's generator exactly as the run without it."""
+    ended = {}
+    for name, extra in (("with", "callbacks.posthoc_ema.snapshot_every=2"), ("without", "callbacks.posthoc_ema=null")):
+        trainer, model, datamodule = build((), tmp_path, tmp_path / name, "trainer.max_steps=12", extra)  # 6 batches
+        trainer.fit(model, datamodule=datamodule)
+        assert model.g_ema is not None
+        ended[name] = (model.state_dict(), model.g_ema.state_dict()["shadow"], torch.get_rng_state())
+    paths = snapshot_paths(tmp_path / "with" / "checkpoints" / "power_ema")
+    assert [load_snapshot(p)["step"] for p in paths] == [2, 4, 6]  # one generator step a batch
+    last = load_snapshot(paths[-1])
+    assert last["module"] == "generator" and set(last["profiles"][0]) == {
+        f"generator.{k}" for k in model.generator.state_dict()
+    }
+    assert not (tmp_path / "without" / "checkpoints" / "power_ema").exists()  # not vacuous: the control has none
+    for with_, without in zip(ended["with"], ended["without"], strict=True):
+        if isinstance(with_, dict):
+            assert with_.keys() == without.keys() and all(torch.equal(with_[k], without[k]) for k in with_)
+        else:
+            assert torch.equal(with_, without)
 
 
 def test_a_sharded_strategy_is_refused_in_setup(tmp_path: Path) -> None:

@@ -44,11 +44,17 @@ RUNS = {
     ],
 }  # fmt: skip
 RECIPE = {"atari": "dqn"}  # a configuration of another recipe
+POSTHOC_EMA = "callbacks/PostHocEMACallback{'sigma_rels': (0.05, 0.1), 'module': 'generator'}"
 # What each recipe's checkpoint must hold, so that comparing it is not comparing nothing.
 MUST_HOLD = {
     "ema": ["callbacks/EMACallback{'decay': 0.995}/ema/shadow/net.body.1.weight", "DigitsDataModule/shuffle"],
     "dqn": ["state_dict/target.net.0.weight", "replay_buffer/obs", "dqn/rng", "dqn/episode_actions"],
-    "gan": ["generator_ema/shadow/net.0.weight", "state_dict/judge.net.head.weight", "DigitsDataModule/shuffle"],
+    "gan": [
+        "generator_ema/shadow/net.0.weight",
+        "state_dict/judge.net.head.weight",
+        "DigitsDataModule/shuffle",
+        POSTHOC_EMA + "/power_ema/profiles/1/net.0.weight",  # the generator's post-hoc EMA profiles
+    ],
     "atari": ["state_dict/target.net.0.weight", "replay_buffer/frames", "dqn/rng", "dqn/episode_actions"],
 }
 ALWAYS = ["state_dict", "optimizer_states/0/state", "callbacks/ResumeState/rng/0/torch", "loops"]

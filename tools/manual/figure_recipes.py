@@ -18,6 +18,9 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
+from copy_correct import synthesize
+from copy_correct.lightning import PostHocEMACallback
+from copy_correct.posthoc_ema import load_snapshot, snapshot_paths
 from copy_correct.probes import MemoryProbe
 from recipes.gan import GAN
 from recipes.gan_quality import sample_grid
@@ -198,6 +201,7 @@ def gan_figures(ctx: Context) -> None:
             "trainer.log_every_n_steps=1",
             "model.eval_samples=100",
             "model.judge_epochs=1",
+            "callbacks.posthoc_ema.snapshot_every=2",  # snapshots at steps 2, 4, 6: the last one ends the run
         ]
         epochs = [1, 2]
     else:
@@ -244,6 +248,96 @@ def gan_figures(ctx: Context) -> None:
         f"Quality at every validation of `{run.command}`, read from its `metrics.csv`: the Frechet distance "
         f"between {run.model.hparams.eval_samples:,} samples and as many real training images on the judge's "
         f"features, and the judge's confidence. Last: EMA {fid_ema:.2f}, live {fid:.2f}, floor {floor:.2f}.",
+    )  # fmt: skip
+    _posthoc_figure(ctx, run)
+
+
+# The post-hoc EMA widths the figure synthesizes: a dozen, about log-spaced inside (0, 1/sqrt(12)) = (0, 0.289), the
+# two tracked ones (0.05, 0.10) among them.
+POSTHOC_SIGMA_RELS = (0.02, 0.025, 0.03, 0.04, 0.05, 0.065, 0.08, 0.1, 0.125, 0.15, 0.2, 0.25)
+
+
+def posthoc_frechet_distances(run: Run, sigma_rels: Sequence[float]) -> dict[str, Any]:
+    """After a ``gan`` run: the Frechet distance of the generator synthesized at each of ``sigma_rels`` from the run's
+    snapshots at its last step, of the two tracked profiles as they were snapshotted, and of the recipe's own EMA, each
+    as the recipe's validation measures ``quality/fid_ema`` (the same latents, samples, real images and judge).
+    Changes nothing of the run's module: the live generator's weights are put back bit for bit."""
+    gan = run.model
+    assert isinstance(gan, GAN) and gan.g_ema is not None and gan._real is not None
+    (callback,) = (c for c in run.trainer.callbacks if isinstance(c, PostHocEMACallback))
+    assert callback.power_ema is not None
+    directory = Path(run.trainer.checkpoint_callback.dirpath) / "power_ema"
+    paths = snapshot_paths(directory)
+    last = load_snapshot(paths[-1])
+    if last["step"] != callback.power_ema.step:  # the generator's optimizer steps (global_step counts D's too)
+        raise ValueError(
+            f"the last snapshot in {directory} is of step {last['step']}, the run ended at step "
+            f"{callback.power_ema.step}: make callbacks.posthoc_ema.snapshot_every a divisor of it"
+        )
+    generator, prefix = gan.generator, "generator."  # the snapshots name tensors as the GAN's state_dict does
+    z = torch.randn(
+        gan.hparams.eval_samples, gan.hparams.latent, device=gan.device,
+        generator=torch.Generator(gan.device).manual_seed(gan.hparams.seed),
+    )  # fmt: skip
+    live = {name: t.clone() for name, t in generator.state_dict().items()}
+    was_training = generator.training
+
+    def distance(weights: dict[str, torch.Tensor]) -> float:
+        generator.load_state_dict({n.removeprefix(prefix): t for n, t in weights.items() if n.startswith(prefix)})
+        return gan.judge.frechet_distance(gan._real, gan.sample(z))
+
+    generator.eval()  # as validation samples
+    try:
+        with torch.no_grad():
+            synthesized = {s: distance(synthesize(paths, s)) for s in sigma_rels}
+            tracked = {
+                float(s): distance(profile) for s, profile in zip(last["sigma_rels"], last["profiles"], strict=True)
+            }
+            generator.load_state_dict(live)
+            with gan.g_ema.average_weights(generator):
+                ema = gan.judge.frechet_distance(gan._real, gan.sample(z))
+    finally:
+        generator.load_state_dict(live)
+        generator.train(was_training)
+    return {
+        "synthesized": synthesized,
+        "tracked": tracked,
+        "ema": ema,
+        "step": int(last["step"]),
+        "snapshots": len(paths),
+    }
+
+
+def _posthoc_figure(ctx: Context, run: Run) -> None:
+    found = posthoc_frechet_distances(run, POSTHOC_SIGMA_RELS)
+    synthesized, tracked, ema = found["synthesized"], found["tracked"], found["ema"]
+    logged = run.series("quality/fid_ema")[-1][1]
+    best = min(synthesized, key=synthesized.__getitem__)
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    ax.plot(list(synthesized), list(synthesized.values()), "o-", ms=4, lw=1.2, label="post-hoc EMA, synthesized")
+    ax.plot(list(tracked), list(tracked.values()), "D", ms=8, mfc="none", mew=1.5,
+            label="the two tracked profiles, as snapshotted")  # fmt: skip
+    ax.axhline(
+        ema, color="C3", ls="--", lw=1.2, label=f"recipe's EMA (decay {run.model.hparams.ema_decay}): quality/fid_ema"
+    )
+    ax.axvline(best, color="0.6", ls=":", lw=1.0, label=f"lowest: sigma_rel {best:g}")
+    ax.set_xscale("log")
+    ax.set_xticks(list(synthesized), [f"{s:g}" for s in synthesized], fontsize=7, rotation=45)
+    ax.minorticks_off()
+    ax.set_xlabel("sigma_rel (EMA length relative to training time)")
+    ax.set_ylabel("Frechet distance (lower is better)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    values = ", ".join(f"{s:g}: {d:.2f}" for s, d in synthesized.items())
+    ctx.save(
+        fig, "gan-posthoc-ema", "recipes/gan.md",
+        "Frechet distance of the generator's post-hoc EMA against sigma_rel, the recipe's EMA marked",
+        f"The generator of `{run.command}` synthesized at {len(synthesized)} values of sigma_rel from its "
+        f"{found['snapshots']} snapshots (step {found['step']}, the last), each measured as `quality/fid_ema` is "
+        f"(the same {run.model.hparams.eval_samples:,} latents and real images, the same judge): {values}. Best "
+        f"{best:g}. Tracked profiles as snapshotted: "
+        f"{', '.join(f'{s:g}: {d:.2f}' for s, d in tracked.items())}. The recipe's EMA: {ema:.2f} "
+        f"(logged {logged:.2f}).",
     )  # fmt: skip
 
 

@@ -1,0 +1,150 @@
+"""``PostHocEMACallback``: ``PowerEMA`` profiles of a LightningModule during ``fit``, snapshotted into the run's
+checkpoint directory for post-hoc EMA (``python -m scripts.posthoc_ema RUN_DIR --sigma-rel 0.08``).
+
+Copy contract: the profiles are the ``PowerEMA``'s own tensors (see ``copy_correct.power_ema``): never a deep copy of
+the module, never in its ``parameters()``, updated in place with no allocation and no host read. The module's weights
+are only read; checkpoints keep the live weights as Lightning saves them.
+
+* Updates after every optimizer step (so once per ``accumulate_grad_batches`` batches): ``PowerEMA.update`` counts
+  optimizer steps, and ``update_every`` and ``snapshot_every`` count them too. The step is read once training starts,
+  after Lightning restored a resumed run's counters.
+* ``module`` names the one submodule to average (``"generator"`` of a GAN, whose discriminator no one samples from);
+  ``None``: the whole LightningModule. Either way the snapshots name their tensors as the LightningModule's
+  ``state_dict`` does (``generator.net.0.weight``), and a snapshot of a submodule says which (``module``), so the
+  command takes the module's other weights from the run's checkpoint.
+* Snapshots go to ``snapshot_dir``, by default ``power_ema/`` in the ``ModelCheckpoint``'s directory (the
+  trainer's ``default_root_dir`` without one), written by global rank 0 only, atomically.
+* Checkpoints hold the ``PowerEMA`` state (callback state, tensors and numbers only: loads with
+  ``weights_only=True``); ``fit(ckpt_path=...)`` restores it, so a resumed run continues the profiles and the
+  snapshots bit for bit.
+* Sharded models (``ModelParallelStrategy``) are refused when ``fit`` starts: use ``PowerEMA`` directly there.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from copy_correct._atomic_save import atomic_save
+from copy_correct.power_ema import PowerEMA, snapshot_name
+
+__all__ = ["PostHocEMACallback"]
+
+
+class PostHocEMACallback(pl.Callback):
+    """Args: those of ``PowerEMA`` (``sigma_rels`` ... ``profile_dtype``); ``snapshot_dir`` defaults to
+    ``power_ema/`` in the checkpoint directory; ``module``: the submodule to average (an attribute path of the
+    LightningModule, ``"generator"``), ``None`` for all of it."""
+
+    def __init__(
+        self,
+        sigma_rels: tuple[float, ...] = (0.05, 0.10),
+        *,
+        update_every: int = 1,
+        snapshot_every: int = 1000,
+        snapshot_dir: str | Path | None = None,
+        include_buffers: bool = True,
+        profile_dtype: torch.dtype | None = None,
+        module: str | None = None,
+    ) -> None:
+        self._kwargs: dict[str, Any] = {
+            "sigma_rels": tuple(sigma_rels),
+            "update_every": update_every,
+            "include_buffers": include_buffers,
+            "profile_dtype": profile_dtype,
+        }
+        # Bad arguments fail now; on a BatchNorm, whose construction draws nothing from the run's random generator.
+        PowerEMA(torch.nn.BatchNorm1d(1), snapshot_every=snapshot_every, snapshot_dir=".", **self._kwargs)
+        self.snapshot_every = snapshot_every
+        self.snapshot_dir = Path(snapshot_dir) if snapshot_dir is not None else None
+        self.module = module or None
+        self._directory: Path | None = None  # where this rank writes snapshots; None: it writes none (rank > 0)
+        self.power_ema: PowerEMA | None = None
+        self._pending: dict[str, Any] | None = None
+        self._last_step = 0
+
+    @property
+    def state_key(self) -> str:
+        module = {"module": self.module} if self.module is not None else {}
+        return self._generate_state_key(sigma_rels=self._kwargs["sigma_rels"], **module)
+
+    @property
+    def writes(self) -> bool:
+        """Whether this process writes the snapshots (global rank 0, once ``fit`` started)."""
+        return self._directory is not None
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.power_ema is not None:
+            return
+        directory = self.snapshot_dir or _checkpoint_dir(trainer) / "power_ema"
+        self._directory = directory if trainer.global_rank == 0 else None
+        # The callback writes the snapshots itself (on_train_batch_end), named as the LightningModule's state_dict.
+        self.power_ema = PowerEMA(_submodule(pl_module, self.module), **self._kwargs)
+        if self.power_ema.sharded:
+            self.power_ema = None
+            raise ValueError(
+                "PostHocEMACallback does not support sharded (FSDP2) models: use copy_correct.PowerEMA in the "
+                "training loop, each rank snapshotting its shards"
+            )
+        if self._pending is not None:
+            self.power_ema.load_state_dict(self._pending)
+            self._pending = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_step = trainer.global_step  # after Lightning restored a resumed run's counters
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_step > self._last_step and self.power_ema is not None:  # an optimizer step in this batch
+            self._last_step = trainer.global_step
+            self.power_ema.update()
+            if self._directory is not None and self.power_ema.step % self.snapshot_every == 0:
+                self.save_snapshot(self._directory)
+
+    def save_snapshot(self, directory: str | Path) -> Path:
+        """Write the profiles as they are now to ``directory / snapshot_name(step)`` atomically (what the schedule
+        does); the path. Names as in the LightningModule's ``state_dict``; with ``module``, the snapshot says which."""
+        if self.power_ema is None:
+            raise RuntimeError("PostHocEMACallback.save_snapshot before fit started: there are no profiles yet")
+        state = self.power_ema.snapshot()
+        if self.module is not None:
+            prefix = f"{self.module}."
+            state["module"] = self.module
+            state["profiles"] = [{prefix + name: t for name, t in profile.items()} for profile in state["profiles"]]
+        return atomic_save(state, Path(directory) / snapshot_name(state["step"]))
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.power_ema is None:
+            return {} if self._pending is None else {"power_ema": self._pending}
+        return {"power_ema": self.power_ema.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "power_ema" not in state_dict:
+            return
+        if self.power_ema is None:
+            self._pending = state_dict["power_ema"]
+        else:
+            self.power_ema.load_state_dict(state_dict["power_ema"])
+
+
+def _submodule(pl_module: pl.LightningModule, module: str | None) -> torch.nn.Module:
+    if module is None:
+        return pl_module
+    try:
+        return pl_module.get_submodule(module)
+    except AttributeError:
+        children = ", ".join(name for name, _ in pl_module.named_children())
+        raise ValueError(
+            f"PostHocEMACallback module={module!r}: {type(pl_module).__name__} has no such submodule "
+            f"(its children: {children})"
+        ) from None
+
+
+def _checkpoint_dir(trainer: pl.Trainer) -> Path:
+    callback = trainer.checkpoint_callback
+    dirpath = getattr(callback, "dirpath", None)
+    return Path(dirpath) if dirpath else Path(trainer.default_root_dir)

@@ -1,0 +1,123 @@
+"""Post-hoc EMA (EDM2): the power-function EMA of any ``sigma_rel`` at any step, combined from ``PowerEMA`` snapshots.
+
+Copy contract:
+
+* Snapshot files are opened with ``torch.load(..., mmap=True, weights_only=True)``: their tensors are read-only
+  memory maps of the files, paged in while a tensor is combined and evictable after, so a reconstruction from any
+  number of snapshots holds about one model in memory (the result), plus one float64 accumulator the size of the
+  largest tensor at a time. Snapshot states given as mappings are only read.
+* ``synthesize`` returns new CPU tensors, by ``state_dict`` name, that share nothing with the snapshots (ties within
+  the model kept: tied names get one tensor): each floating tensor is ``sum_i c_i * snapshot_i[name]`` accumulated in
+  float64 and cast to the snapshots' dtype; integer buffers are copied from the latest snapshot used. The tensors are
+  plain (no ``requires_grad``, no graph): ``model.load_state_dict(result)`` copies them into a model.
+* The combination is linear and works tensor by tensor, so a rank's snapshot files of a sharded model combine into
+  that rank's shards (plain tensors, ``to_local()``'s shapes) without a gather or any collective; snapshots of
+  different ranks or spreads are refused together.
+
+The coefficients are ``copy_correct.power_function.solve_coefficients``: float64 least squares on the profiles'
+closed-form inner products, normalised to sum to 1, snapshots after the target step left out. EDM2 reconstructs at a
+snapshot's step; at a step between two snapshots the result is the best fit from the snapshots before it (the weights
+of the steps since the last one are missing from it, and no weight of a later step gets in).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from copy_correct.power_ema import SNAPSHOT_FORMAT
+from copy_correct.power_function import solve_coefficients
+
+__all__ = ["load_snapshot", "snapshot_paths", "synthesis_coefficients", "synthesize"]
+
+Snapshot = str | os.PathLike | Mapping[str, Any]  # a snapshot file's path, or a snapshot state (PowerEMA.snapshot())
+
+
+def snapshot_paths(directory: str | os.PathLike[str], rank: int | None = None) -> list[Path]:
+    """The snapshot files ``PowerEMA.save_snapshot`` wrote in ``directory``, by step (temporary files left out): of
+    an unsharded model, or with ``rank``, that rank's of a sharded one."""
+    pattern = "power-ema-?????????.pt" if rank is None else f"power-ema-?????????-rank{rank}of*.pt"
+    return sorted(Path(directory).glob(pattern))
+
+
+def load_snapshot(path: str | os.PathLike[str]) -> Mapping[str, Any]:
+    """A snapshot file, memory-mapped (its tensors are read from the file when used), checked to be one."""
+    return _checked(torch.load(path, map_location="cpu", mmap=True, weights_only=True), str(path))
+
+
+def synthesis_coefficients(
+    snapshots: Iterable[Mapping[str, Any]], sigma_rel: float, step: int | None = None
+) -> list[tuple[int, float, Mapping[str, torch.Tensor], float]]:
+    """``(step, sigma_rel, profile, coefficient)`` for each profile stored in the snapshots' states (``snapshot()``'s
+    or ``load_snapshot``'s), the coefficients those of the profile ``sigma_rel`` at ``step`` (default: the latest
+    snapshot's): ``solve_coefficients``'s, 0 for snapshots after ``step``."""
+    profiles = [
+        (int(state["step"]), float(sigma), profile)
+        for state in snapshots
+        for profile, sigma in zip(state["profiles"], state["sigma_rels"], strict=True)
+    ]
+    if not profiles:
+        raise ValueError("no snapshot to reconstruct from")
+    meta = [(t, sigma) for t, sigma, _ in profiles]
+    target = max(t for t, _ in meta) if step is None else step
+    coefficients = solve_coefficients(meta, target, sigma_rel)
+    return [(t, sigma, profile, float(c)) for (t, sigma, profile), c in zip(profiles, coefficients, strict=True)]
+
+
+def synthesize(
+    snapshots: str | os.PathLike[str] | Iterable[Snapshot], sigma_rel: float, step: int | None = None
+) -> dict[str, torch.Tensor]:
+    """The power-function EMA of ``sigma_rel`` at optimizer step ``step`` (default: the latest snapshot's), as a
+    ``state_dict`` of new CPU tensors, from snapshots: a directory of them, or paths and snapshot states
+    (``PowerEMA.snapshot()``). Snapshots after ``step`` are not used."""
+    if isinstance(snapshots, (str, os.PathLike)):
+        directory, snapshots = snapshots, snapshot_paths(snapshots)
+        if not snapshots and any(Path(directory).glob("power-ema-*-rank*.pt")):
+            raise ValueError(
+                f"{directory} holds the snapshots of a sharded model: synthesize each rank's shards from its own "
+                "files, synthesize(snapshot_paths(directory, rank=r), ...)"
+            )
+    states = [
+        _checked(s, f"snapshot {i}") if isinstance(s, Mapping) else load_snapshot(s) for i, s in enumerate(snapshots)
+    ]
+    spreads = {(s.get("rank"), s.get("world_size"), repr(s.get("layout"))) for s in states}
+    if len(spreads) > 1:
+        ranks = sorted({f"rank {rank} of {world}" if rank is not None else "unsharded" for rank, world, _ in spreads})
+        raise ValueError(f"the snapshots are of different shards ({', '.join(ranks)}): combine one rank's at a time")
+    used = [(t, profile, c) for t, _, profile, c in synthesis_coefficients(states, sigma_rel, step) if c != 0.0]
+    latest = max(used, key=lambda u: u[0])[1]
+    names = list(latest)
+    for _, profile, _ in used:
+        if list(profile) != names:
+            raise ValueError("the snapshots hold different tensors (names): they are not of one model")
+    out: dict[str, torch.Tensor] = {}
+    made: dict[tuple, torch.Tensor] = {}
+    with torch.no_grad():
+        for name in names:
+            reference = latest[name]
+            key = (reference.untyped_storage().data_ptr(), reference.storage_offset(), reference.shape)
+            if key not in made or reference.numel() == 0:  # tied names share storage; empty tensors share nothing
+                made[key] = _combine(name, reference, [(profile[name], c) for _, profile, c in used])
+            out[name] = made[key]
+    return out
+
+
+def _combine(name: str, reference: torch.Tensor, terms: list[tuple[torch.Tensor, float]]) -> torch.Tensor:
+    if not reference.is_floating_point():
+        return reference.clone()  # integer buffers (step counts): the latest snapshot's
+    total = torch.zeros(reference.shape, dtype=torch.float64)
+    for tensor, coefficient in terms:
+        if tensor.shape != reference.shape:
+            raise ValueError(f"{name!r} is {tuple(tensor.shape)} in one snapshot, {tuple(reference.shape)} in another")
+        total.add_(tensor, alpha=coefficient)
+    return total.to(reference.dtype)
+
+
+def _checked(state: Any, where: str) -> Mapping[str, Any]:
+    if not isinstance(state, Mapping) or state.get("format") != SNAPSHOT_FORMAT:
+        raise ValueError(f"{where} is not a PowerEMA snapshot (format {SNAPSHOT_FORMAT!r})")
+    return state

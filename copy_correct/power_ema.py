@@ -1,0 +1,304 @@
+"""``PowerEMA``: power-function EMA profiles of a model (EDM2), updated in place per optimizer step, and snapshots of
+them for post-hoc reconstruction (``copy_correct.posthoc_ema.synthesize``).
+
+Copy contract:
+
+* Each profile (one per ``sigma_rel``) is plain tensors of its own (``profiles[k][name]``, keyed by the model's
+  ``state_dict()`` names), made once with a copy of the model's at construction: ``requires_grad=False``, never an
+  ``nn.Parameter``, never in ``model.parameters()``, an optimizer or autograd. The module is never deep-copied.
+  Tied weights share one tensor per profile.
+* ``update()`` writes into the profiles in place under ``torch.no_grad()``: per (device, dtype) group, one
+  ``torch._foreach_lerp_`` per profile for the floating tensors (parameters and floating buffers) and one
+  ``torch._foreach_copy_`` per profile for integer buffers. It allocates nothing and reads nothing back from a
+  device: ``beta`` is a Python float computed on the host from the host's step counters. Each write raises the
+  profile tensors' versions by one on every device (``copy_correct._foreach_writes``).
+* A float16/bfloat16 model gets float32 profiles (``profile_dtype=None``); a group whose profile dtype differs from the
+  model's keeps one staging copy of its live tensors in the profile dtype, allocated once and shared by the profiles.
+* ``beta`` for an update at optimizer step ``t`` whose previous update was at step ``p`` is
+  ``(p / t) ** (gamma + 1)``, the product of the per-step ``(1 - 1/s) ** (gamma + 1)`` over ``s = p+1..t``. With
+  ``update_every=N`` the profile is therefore exactly the per-step power EMA of the weights sampled at every N-th step
+  (each sample standing for the N steps it ends), as EDM2's ``power_function_beta(t_next=cur_nimg,
+  t_delta=batch_size)``. The per-step ``beta`` applied on every N-th step only (ema-pytorch 0.8.3's ``KarrasEMA``
+  with ``update_every=N``) averages over far more than asked: more than twice the relative width at N=5.
+* ``snapshot()`` returns new CPU tensors (a copy of every profile, ties kept) with the metadata that reconstruction
+  needs (``step``, ``sigma_rels``, ``gammas``); ``save_snapshot(directory)`` writes it to
+  ``power-ema-STEP.pt`` atomically (``copy_correct._atomic_save``: a crash leaves no partial file under that name).
+  ``snapshot_every`` does so from ``update()`` on a schedule: the only place where the update waits for a device.
+* ``state_dict()`` holds the counters and the profiles' own tensors (aliased, like ``Module.state_dict``: save it
+  before the next update); ``load_state_dict`` copies into them in place, so a resumed run continues the profiles and
+  the snapshot schedule bit for bit. Both load with ``weights_only=True``.
+
+Sharded models (FSDP2: every parameter a ``DTensor``, each rank holding its shard; ``sharded`` is True):
+
+* Each profile is per rank, as ``EMA``'s shadow: a sharded parameter's profile tensor is a ``DTensor`` spread like it,
+  whose local tensor is a copy of this rank's shard (buffers, which FSDP2 does not shard, are kept whole). ``update``
+  runs its foreach calls on the local shards (``to_local()`` views taken on each call): the average of a shard is the
+  shard of the average, so no collective is issued and nothing is allocated.
+* Each rank snapshots its own shards (plain CPU tensors) into ``power-ema-STEP-rankRofW.pt``, with ``rank``,
+  ``world_size`` and each tensor's ``layout``; ``synthesize`` combines one rank's files into that rank's shards
+  (``snapshot_paths(directory, rank=r)``), with no gather: the combination is linear.
+* ``state_dict`` holds the profiles as ``DTensor``s (save it with ``torch.distributed.checkpoint``);
+  ``load_state_dict`` takes ``DTensor``s spread as the model is, or full plain tensors, of which each rank copies its
+  own part (nothing is sent); a state spread otherwise is refused, naming both.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from copy_correct._atomic_save import atomic_save
+from copy_correct._foreach_writes import foreach_copy_, foreach_lerp_
+from copy_correct._module_tensors import TensorRefs, state_entries, unwrap
+from copy_correct._sharding import from_local, is_sharded, layout, local, local_part
+from copy_correct.power_function import sigma_rel_to_gamma
+
+__all__ = ["SNAPSHOT_FORMAT", "PowerEMA", "snapshot_name"]
+
+SNAPSHOT_FORMAT = "copy_correct.power_ema.snapshot/1"
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def snapshot_name(step: int, rank: int | None = None, world_size: int | None = None) -> str:
+    """The file name of the snapshot of step ``step``: ``power-ema-000001000.pt`` (sorts by step), or for a rank of
+    a sharded model ``power-ema-000001000-rank0of2.pt``."""
+    shard = "" if rank is None else f"-rank{rank}of{world_size}"
+    return f"power-ema-{step:09d}{shard}.pt"
+
+
+@dataclass
+class _Group:
+    """Live tensors that one foreach call per profile can update: same device and dtype on each side."""
+
+    average: bool  # floating: lerp; integer: copy
+    live_device: torch.device
+    live_dtype: torch.dtype
+    live: TensorRefs = field(default_factory=TensorRefs)
+    profiles: list[list[torch.Tensor]] = field(default_factory=list)  # per profile, one tensor per live tensor
+    staging: list[torch.Tensor] = field(default_factory=list)  # the live tensors in the profiles' dtype, if it differs
+
+
+class PowerEMA:
+    """Power-function EMA profiles of a model's ``state_dict`` tensors, one per ``sigma_rel``, updated per optimizer
+    step, with snapshots for post-hoc reconstruction at any other ``sigma_rel``.
+
+    Args:
+        model: the module whose weights are averaged (DDP, ``DataParallel`` and ``torch.compile`` wrappers looked
+            through).
+        sigma_rels: the profiles' relative standard deviations, each in ``(0, 1/sqrt(12))``; EDM2 tracks 0.05 and 0.10.
+        update_every: average on every n-th optimizer step (``update()`` call); ``beta`` accounts for the n steps.
+        snapshot_every: save a snapshot into ``snapshot_dir`` every this many steps (a multiple of ``update_every``);
+            ``None``: only when ``save_snapshot`` is called.
+        snapshot_dir: where scheduled snapshots go.
+        include_buffers: average floating buffers and copy integer ones; ``False``: parameters only.
+        profile_dtype: dtype of the profiles' floating tensors; ``None``: float32 for float16/bfloat16 models, the
+            model's dtype otherwise.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sigma_rels: Sequence[float] = (0.05, 0.10),
+        *,
+        update_every: int = 1,
+        snapshot_every: int | None = None,
+        snapshot_dir: str | os.PathLike[str] | None = None,
+        include_buffers: bool = True,
+        profile_dtype: torch.dtype | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        sigma_rels = tuple(float(s) for s in sigma_rels)
+        if not sigma_rels or len(set(sigma_rels)) != len(sigma_rels):
+            raise ValueError(f"sigma_rels must be one or more distinct values, got {sigma_rels}")
+        if update_every < 1:
+            raise ValueError(f"update_every must be >= 1, got {update_every}")
+        if snapshot_every is not None and (snapshot_every < 1 or snapshot_every % update_every):
+            raise ValueError(
+                f"snapshot_every must be a positive multiple of update_every={update_every}, got {snapshot_every}"
+            )
+        if (snapshot_every is None) != (snapshot_dir is None):
+            raise ValueError("snapshot_every and snapshot_dir go together: give both, or neither")
+        if profile_dtype is not None and not profile_dtype.is_floating_point:
+            raise ValueError(f"profile_dtype must be a floating dtype, got {profile_dtype}")
+        self.sigma_rels = sigma_rels
+        self.gammas = tuple(sigma_rel_to_gamma(s) for s in sigma_rels)
+        self.update_every = update_every
+        self.snapshot_every = snapshot_every
+        self.snapshot_dir = Path(snapshot_dir) if snapshot_dir is not None else None
+        self.step = 0  # optimizer steps seen (update() calls)
+        self.updated_step = 0  # the step of the last averaging update: the profiles hold weights of steps 1..this
+        self._model = unwrap(model)
+        self.sharded = any(is_sharded(p) for p in self._model.parameters())
+        self.profiles: list[dict[str, torch.Tensor]] = [{} for _ in sigma_rels]
+        self._groups = self._build(include_buffers, profile_dtype)
+
+    def _build(self, include_buffers: bool, profile_dtype: torch.dtype | None) -> list[_Group]:
+        groups: dict[tuple, _Group] = {}
+        first_name: dict[int, str] = {}
+        with torch.no_grad():
+            for name, live, owner in state_entries(self._model, include_buffers):
+                if id(live) in first_name:  # tied weights share one tensor per profile
+                    for profile in self.profiles:
+                        profile[name] = profile[first_name[id(live)]]
+                    continue
+                first_name[id(live)] = name
+                average = live.is_floating_point()
+                dtype = live.dtype
+                if average and profile_dtype is not None:
+                    dtype = profile_dtype
+                elif average and live.dtype in _LOW_PRECISION:
+                    dtype = torch.float32
+                key = (live.device, live.dtype, dtype, average)
+                if key not in groups:
+                    groups[key] = _Group(average, live.device, live.dtype, profiles=[[] for _ in self.profiles])
+                group = groups[key]
+                group.live.append(live, owner)
+                for profile, tensors in zip(self.profiles, group.profiles, strict=True):
+                    shard = local(live).to(dtype=dtype, copy=True)  # this rank's shard when sharded
+                    profile[name] = from_local(shard, live) if is_sharded(live) else shard
+                    tensors.append(shard)
+                if dtype != live.dtype:
+                    group.staging.append(torch.empty_like(local(live), dtype=dtype))
+        return list(groups.values())
+
+    def betas(self, step: int, previous: int) -> list[float]:
+        """Each profile's ``beta`` for an update at optimizer step ``step`` whose previous update was at ``previous``
+        (0: none, so ``beta`` is 0 and the update copies): ``(previous / step) ** (gamma + 1)``."""
+        return [(previous / step) ** (gamma + 1) for gamma in self.gammas]
+
+    def update(self, model: nn.Module | None = None) -> None:
+        """Count one optimizer step; average the model into every profile on every ``update_every``-th, and save a
+        snapshot on every ``snapshot_every``-th. In place, under ``no_grad``, no allocation, no host synchronisation
+        (scheduled snapshots aside). ``model``, when given, must be the tracked one (wrapped or not)."""
+        if model is not None and unwrap(model) is not self._model:
+            raise ValueError("PowerEMA.update: this is not the model the PowerEMA was built for")
+        self.step += 1
+        if self.step % self.update_every:
+            return
+        weights = [1.0 - beta for beta in self.betas(self.step, self.updated_step)]
+        grad_was_enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+        try:
+            for group in self._groups:
+                lives = group.live.resolve()
+                if lives[0].device != group.live_device or lives[0].dtype != group.live_dtype:
+                    raise RuntimeError(
+                        f"the model moved from {group.live_device}/{group.live_dtype} to {lives[0].device}/"
+                        f"{lives[0].dtype} after the PowerEMA was created: create it after model.to(...)"
+                    )
+                if group.staging:
+                    foreach_copy_(group.staging, lives)
+                    lives = group.staging
+                for profile, weight in zip(group.profiles, weights, strict=True):
+                    if group.average:
+                        foreach_lerp_(profile, lives, weight)
+                    else:
+                        foreach_copy_(profile, lives)
+        finally:
+            torch._C._set_grad_enabled(grad_was_enabled)
+        self.updated_step = self.step
+        if self.snapshot_every is not None and self.step % self.snapshot_every == 0:
+            self.save_snapshot(self.snapshot_dir)
+
+    # -- snapshots ----------------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """The profiles as they are now, in new CPU tensors (ties kept; this rank's shards when sharded), with
+        ``step`` (the last averaged step: the profiles hold the weights of steps ``1..step``), ``sigma_rels`` and
+        ``gammas``: what ``synthesize`` reads. Sharded: also ``rank``, ``world_size`` and each tensor's ``layout``."""
+        if self.updated_step == 0:
+            raise RuntimeError("PowerEMA.snapshot before the first update: the profiles hold no training step yet")
+        profiles = []
+        with torch.no_grad():
+            for profile in self.profiles:
+                copies: dict[int, torch.Tensor] = {}
+                for t in profile.values():
+                    if id(t) not in copies:
+                        copies[id(t)] = local(t).to("cpu", copy=True)
+                profiles.append({name: copies[id(t)] for name, t in profile.items()})
+        state = {
+            "format": SNAPSHOT_FORMAT,
+            "step": self.updated_step,
+            "sigma_rels": list(self.sigma_rels),
+            "gammas": list(self.gammas),
+            "profiles": profiles,
+        }
+        if self.sharded:
+            import torch.distributed as dist
+
+            state.update(
+                rank=dist.get_rank(),
+                world_size=dist.get_world_size(),
+                layout={name: layout(t) for name, t in self.profiles[0].items()},
+            )
+        return state
+
+    def save_snapshot(self, directory: str | os.PathLike[str] | None = None) -> Path:
+        """Write ``snapshot()`` to ``directory / snapshot_name(step)`` atomically (temporary file, ``fsync``,
+        ``os.replace``); the path. ``directory`` defaults to ``snapshot_dir``. Sharded: every rank calls it, and
+        writes its own file."""
+        directory = directory if directory is not None else self.snapshot_dir
+        if directory is None:
+            raise ValueError("PowerEMA.save_snapshot: give a directory (or snapshot_dir at construction)")
+        state = self.snapshot()
+        name = snapshot_name(state["step"], state.get("rank"), state.get("world_size"))
+        return atomic_save(state, Path(directory) / name)
+
+    # -- checkpoints ----------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, settings and the profiles' own tensors (aliased: save before the next update; ``DTensor``s for a
+        sharded model)."""
+        return {
+            "sigma_rels": list(self.sigma_rels),
+            "step": self.step,
+            "updated_step": self.updated_step,
+            "profiles": [dict(profile) for profile in self.profiles],
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Copy saved profiles and counters in (in place); ``ValueError`` naming the difference when the state is of
+        other ``sigma_rels``, another model, or spread otherwise over the ranks. Sharded: ``DTensor``s spread as the
+        model is, or full tensors, of which each rank copies its own part."""
+        if [float(s) for s in state["sigma_rels"]] != list(self.sigma_rels):
+            raise ValueError(f"PowerEMA state has sigma_rels {list(state['sigma_rels'])}, this one {self.sigma_rels}")
+        saved = state["profiles"]
+        for profile, loaded in zip(self.profiles, saved, strict=True):
+            if set(profile) != set(loaded):
+                missing, unexpected = sorted(set(profile) - set(loaded)), sorted(set(loaded) - set(profile))
+                raise ValueError(
+                    f"PowerEMA state does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+                )
+            for name, tensor in loaded.items():
+                if tensor.shape != profile[name].shape:
+                    raise ValueError(
+                        f"PowerEMA state for {name!r} has shape {tuple(tensor.shape)}, the model's is "
+                        f"{tuple(profile[name].shape)}"
+                    )
+                if is_sharded(tensor) and layout(tensor) != layout(profile[name]):
+                    raise ValueError(
+                        f"PowerEMA state for {name!r} is {layout(tensor)}, the model's is {layout(profile[name])}: "
+                        "a sharded profile is restored only as it was saved, or from full tensors"
+                    )
+        with torch.no_grad():
+            for profile, loaded in zip(self.profiles, saved, strict=True):
+                for name, tensor in loaded.items():
+                    target = profile[name]
+                    if is_sharded(target) and not is_sharded(tensor):
+                        tensor = local_part(tensor, target)
+                    local(target).copy_(local(tensor))
+        self.step = int(state["step"])
+        self.updated_step = int(state["updated_step"])
+
+    def __repr__(self) -> str:
+        return (
+            f"PowerEMA(sigma_rels={self.sigma_rels}, gammas={tuple(round(g, 3) for g in self.gammas)}, "
+            f"update_every={self.update_every}, step={self.step}, updated_step={self.updated_step})"
+        )

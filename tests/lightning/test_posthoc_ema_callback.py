@@ -1,0 +1,198 @@
+"""PostHocEMACallback in real Trainers: one update per optimizer step with gradient accumulation (the profiles equal a
+PowerEMA fed the weights after each optimizer step), snapshots in the checkpoint directory, exact resume; and
+``python -m scripts.posthoc_ema`` writing checkpoints that ``load_from_checkpoint`` reads as the synthesized EMA."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from copy_correct import PowerEMA, synthesize
+from copy_correct.lightning import PostHocEMACallback
+from copy_correct.posthoc_ema import load_snapshot, snapshot_paths
+from tests.conftest import ROOT, child_env
+
+
+class Regressor(pl.LightningModule):
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(8, width), nn.BatchNorm1d(width), nn.ReLU(), nn.Linear(width, 1))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
+class Recorder(pl.Callback):
+    """The module's state after each optimizer step: what the profiles must average."""
+
+    def __init__(self) -> None:
+        self.states: list[dict[str, torch.Tensor]] = []
+        self._last = 0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step > self._last:
+            self._last = trainer.global_step
+            self.states.append({k: v.detach().clone() for k, v in pl_module.state_dict().items()})
+
+
+def loader(n: int = 192) -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(n, 8, generator=generator), torch.randn(n, 1, generator=generator))
+    return DataLoader(data, batch_size=16)  # no shuffling: a resumed run sees the same batches
+
+
+def fit(directory: Path, callbacks: list[pl.Callback], epochs: int, ckpt_path: Path | None = None) -> pl.Trainer:
+    """``epochs`` epochs of 12 batches, 6 optimizer steps each (2 batches a step)."""
+    torch.manual_seed(0)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=epochs, accumulate_grad_batches=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=directory, limit_val_batches=0,
+        callbacks=[*callbacks, ModelCheckpoint(dirpath=directory / "checkpoints", save_last=True)],
+    )  # fmt: skip
+    trainer.fit(Regressor(), loader(), ckpt_path=ckpt_path)
+    return trainer
+
+
+def test_updates_once_per_optimizer_step_and_snapshots_into_the_checkpoint_directory(tmp_path: Path) -> None:
+    callback, recorder = PostHocEMACallback(snapshot_every=4), Recorder()
+    trainer = fit(tmp_path, [callback, recorder], epochs=2)
+    assert trainer.global_step == 12 and callback.power_ema is not None
+    assert callback.power_ema.step == 12  # 24 batches, one optimizer step per 2
+    replay = Regressor()
+    reference = PowerEMA(replay)
+    for state in recorder.states:
+        replay.load_state_dict(state)
+        reference.update()
+    for ours, expected in zip(callback.power_ema.profiles, reference.profiles, strict=True):
+        assert all(torch.equal(ours[k], v) for k, v in expected.items())
+    paths = snapshot_paths(tmp_path / "checkpoints" / "power_ema")
+    assert [p.name for p in paths] == [f"power-ema-{t:09d}.pt" for t in (4, 8, 12)]
+
+    torch.manual_seed(0)
+    initial = Regressor().state_dict()  # the control: updated after every batch, as a per-batch hook would
+    per_batch = [initial, *(s for state in recorder.states for s in (state, state))][:24]  # accumulation: 2 a step
+    control = PowerEMA(replay)
+    for state in per_batch:
+        replay.load_state_dict(state)
+        control.update()
+    assert control.step == 24  # steps counted in batches: every snapshot's step and every target step off by 2x
+    assert not torch.equal(control.profiles[0]["net.0.weight"], callback.power_ema.profiles[0]["net.0.weight"])
+
+
+def test_resume_continues_the_profiles_and_snapshots_bit_for_bit(tmp_path: Path) -> None:
+    straight = PostHocEMACallback(snapshot_every=4)
+    fit(tmp_path / "straight", [straight], epochs=2)
+    fit(tmp_path / "resumed", [PostHocEMACallback(snapshot_every=4)], epochs=1)  # step 6: between two snapshots
+    last = tmp_path / "resumed" / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(last, weights_only=True)
+    assert any("PostHocEMACallback" in key for key in checkpoint["callbacks"])
+    checkpoint["callbacks"] = {k: v for k, v in checkpoint["callbacks"].items() if "PostHocEMACallback" not in k}
+    torch.save(checkpoint, tmp_path / "without.ckpt")  # for the control below
+    resumed = PostHocEMACallback(snapshot_every=4)
+    fit(tmp_path / "resumed", [resumed], epochs=2, ckpt_path=last)
+    assert resumed.power_ema is not None and straight.power_ema is not None
+    for ours, expected in zip(resumed.power_ema.profiles, straight.power_ema.profiles, strict=True):
+        assert all(torch.equal(ours[k], v) for k, v in expected.items())
+    snapshots = [snapshot_paths(tmp_path / run / "checkpoints" / "power_ema") for run in ("straight", "resumed")]
+    assert [p.name for p in snapshots[0]] == [p.name for p in snapshots[1]]
+    for a, b in zip(*snapshots, strict=True):
+        sa, sb = load_snapshot(a), load_snapshot(b)
+        assert sa["step"] == sb["step"]
+        assert all(torch.equal(sb["profiles"][i][k], v) for i, p in enumerate(sa["profiles"]) for k, v in p.items())
+
+    fresh = PostHocEMACallback(snapshot_every=4)  # the control: the same resume without the callback's state
+    fit(tmp_path / "fresh", [fresh], epochs=2, ckpt_path=tmp_path / "without.ckpt")
+    assert fresh.power_ema is not None and fresh.power_ema.step == 6  # counted from the resume: not the run's 12
+    assert not torch.equal(fresh.power_ema.profiles[0]["net.0.weight"], straight.power_ema.profiles[0]["net.0.weight"])
+
+
+def test_the_command_writes_checkpoints_load_from_checkpoint_reads_as_the_synthesized_ema(tmp_path: Path) -> None:
+    fit(tmp_path, [PostHocEMACallback(snapshot_every=2)], epochs=2)
+    result = subprocess.run(
+        [sys.executable, "-m", "scripts.posthoc_ema", str(tmp_path), "--sigma-rel", "0.08", "0.15", "--step", "10"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env(),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    written = [Path(line) for line in result.stdout.split()]
+    assert [p.name for p in written] == [
+        "posthoc-ema-sigma0.080-step000000010.ckpt", "posthoc-ema-sigma0.150-step000000010.ckpt",
+    ]  # fmt: skip
+    snapshots = snapshot_paths(tmp_path / "checkpoints" / "power_ema")
+    for path, sigma_rel in zip(written, (0.08, 0.15), strict=True):
+        model = Regressor.load_from_checkpoint(path)
+        expected = synthesize(snapshots, sigma_rel, step=10)
+        assert all(torch.equal(model.state_dict()[k], v.to(model.state_dict()[k].dtype)) for k, v in expected.items())
+    live = Regressor.load_from_checkpoint(tmp_path / "checkpoints" / "last.ckpt")  # the control: the live weights
+    assert not torch.equal(live.net[0].weight, Regressor.load_from_checkpoint(written[0]).net[0].weight)
+
+    empty = subprocess.run(
+        [sys.executable, "-m", "scripts.posthoc_ema", str(tmp_path / "nothing"), "--sigma-rel", "0.08"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env(),
+    )  # fmt: skip
+    assert empty.returncode == 2 and "holds no PowerEMA snapshots" in empty.stderr
+
+
+def test_a_submodule_alone_is_averaged_and_the_command_takes_the_rest_from_the_checkpoint(tmp_path: Path) -> None:
+    """``module=`` (a GAN's generator): profiles of that submodule only, named as the LightningModule's state_dict;
+    the command's checkpoint holds their synthesis and the run's own weights for everything else."""
+    callback = PostHocEMACallback(snapshot_every=2, module="net.0")
+    fit(tmp_path, [callback], epochs=2)
+    assert callback.power_ema is not None and list(callback.power_ema.profiles[0]) == ["weight", "bias"]
+    snapshots = snapshot_paths(tmp_path / "checkpoints" / "power_ema")
+    last = load_snapshot(snapshots[-1])
+    assert last["module"] == "net.0" and list(last["profiles"][1]) == ["net.0.weight", "net.0.bias"]
+    result = subprocess.run(
+        [sys.executable, "-m", "scripts.posthoc_ema", str(tmp_path), "--sigma-rel", "0.08"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env(),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    model = Regressor.load_from_checkpoint(result.stdout.split()[0])
+    run = Regressor.load_from_checkpoint(tmp_path / "checkpoints" / "last.ckpt")
+    expected = synthesize(snapshots, 0.08)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, expected[name] if name.startswith("net.0.") else run.state_dict()[name]), name
+    assert not torch.equal(model.net[0].weight, run.net[0].weight)  # the control: the average is not the live weight
+
+    with pytest.raises(ValueError, match=r"module='head': Regressor has no such submodule \(its children: net\)"):
+        fit(tmp_path / "bad", [PostHocEMACallback(module="head")], epochs=1)
+
+
+def test_bad_arguments_fail_at_construction_which_draws_nothing_from_the_generator() -> None:
+    state = torch.get_rng_state()
+    PostHocEMACallback()
+    assert torch.equal(torch.get_rng_state(), state)
+    PowerEMA(nn.Linear(1, 1))  # the control: a check on a Linear would have drawn its initial weights
+    assert not torch.equal(torch.get_rng_state(), state)
+    with pytest.raises(ValueError, match="snapshot_every must be a positive multiple of update_every=3"):
+        PostHocEMACallback(update_every=3, snapshot_every=10)
+    with pytest.raises(ValueError, match="sigma_rel must be a number in"):
+        PostHocEMACallback(sigma_rels=(0.05, 0.5))
+
+
+def test_under_ddp_rank_zero_alone_writes_the_snapshots(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "workers" / "ddp_posthoc_ema.py"), str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env(),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    assert [r["step"] for r in ranks] == [3, 3]  # 12 batches, 6 a rank, one optimizer step per 2
+    assert [r["writes"] for r in ranks] == [True, False]
+    written = sorted(p.name for p in (tmp_path / "checkpoints" / "power_ema").iterdir())
+    assert written == ["power-ema-000000002.pt"]  # one file per snapshot step, no rank's second copy, no temporary
+    snapshot = load_snapshot(tmp_path / "checkpoints" / "power_ema" / written[0])
+    assert snapshot["step"] == 2 and snapshot["profiles"][0].keys() == ranks[0]["profiles"][0].keys()
