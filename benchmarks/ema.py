@@ -9,6 +9,8 @@ installed and called the way their docs show, in one process; write the table to
 Contenders, each keeping a float32 average of the same model and updating it once per call:
 
 * ``copy_correct.EMA.update`` (parameters and floating buffers averaged, integer buffers copied)
+* the same with ``skip_nonfinite=True``: the update skipped on the device when a live value is NaN or Inf (its
+  ``time / ours`` is the guard's cost)
 * timm ``ModelEmaV3(model, decay)`` (foreach, the default) and ``ModelEmaV2``: ``.update(model, step=n)`` /
   ``.update(model)``, as timm's ``train.py`` calls them; both average every ``state_dict`` entry
 * diffusers ``EMAModel(model.parameters(), decay, foreach=False | True)``: ``.step(model.parameters())``, as
@@ -20,14 +22,17 @@ Contenders, each keeping a float32 average of the same model and updating it onc
   optimizer step (an ``AveragedModel`` with ``avg_fn``, one Python-level average per tensor)
 * the articles' loop: ``e.copy_(decay * e + (1 - decay) * p)`` per tensor under ``no_grad``
 * a bare ``_foreach_lerp_`` over prebuilt lists under ``no_grad`` (the floor for this work)
-* a plain copy of the same number of bytes as one contiguous tensor (the memory-bandwidth limit)
+* a plain copy of the same number of bytes as one contiguous tensor, from a written source
+* STREAM's copy and triad on arrays four times the caches (``benchmarks.stream``), timed in the same rounds: the
+  machine's limit each row is stated against
 
 A peer that is not installed, or cannot run here, gets a row that says why. Timings are medians over interleaved
 rounds, so all contenders see the same machine load; the table reports milliseconds, each contender's time over
 ours, and effective bandwidth: an EMA update reads the shadow and the weights and writes the shadow (12 bytes per
 float32 element), a copy reads and writes (8 bytes). On caches that read a line before writing it, the copy's real
-traffic is 12 bytes too, so an update can reach more than 100% of the copy's effective figure. diffusers' rows move
-only the parameters' bytes, so their bandwidth is counted on those.
+traffic is 12 bytes too, so an update can reach more than 100% of the copy's effective figure; the STREAM columns
+count what each row really moves (a copy's write-allocate read included on a CPU) against STREAM triad and copy.
+diffusers' rows move only the parameters' bytes, so their bandwidth is counted on those.
 """
 
 from __future__ import annotations
@@ -47,12 +52,14 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from benchmarks.peers import Missing, label, load, timm_model_ema
 from benchmarks.report import bandwidth_table, command_line, measured_on, median_ms, parse_args, write_section
+from benchmarks.stream import StreamLimit, in_rounds
 from copy_correct import EMA
 
 ROOT = Path(__file__).resolve().parents[1]
 
 DECAY = 0.999
 OURS = "copy_correct.EMA.update"
+GUARDED = "copy_correct.EMA.update, skip_nonfinite=True"
 COPY = "plain copy of the same bytes"
 
 
@@ -120,7 +127,8 @@ def lightning_contender(model: nn.Module) -> Callable[[], object]:
 def contenders(model: nn.Module) -> tuple[dict[str, Callable[[], object]], dict[str, str]]:
     """``({row: one update}, {row: why it cannot run here})``."""
     ema = EMA(model, decay=DECAY)
-    fns: dict[str, Callable[[], object]] = {OURS: lambda: ema.update(model)}
+    guarded = EMA(model, decay=DECAY, skip_nonfinite=True)
+    fns: dict[str, Callable[[], object]] = {OURS: lambda: ema.update(model), GUARDED: lambda: guarded.update(model)}
     not_run: dict[str, str] = {}
 
     def timm_v3(timm: ModuleType) -> Callable[[], object]:
@@ -177,8 +185,9 @@ def contenders(model: nn.Module) -> tuple[dict[str, Callable[[], object]], dict[
             torch._foreach_lerp_(shadow, floats, 1 - DECAY)
 
     elements = sum(t.numel() for t in floats)
+    # a written source: an unwritten torch.empty reads as the kernel's one zero page, which stays in cache
     flat_source, flat_target = (
-        torch.empty(elements, device=floats[0].device),
+        torch.randn(elements, device=floats[0].device),
         torch.empty(elements, device=floats[0].device),
     )
     fns |= {
@@ -189,7 +198,9 @@ def contenders(model: nn.Module) -> tuple[dict[str, Callable[[], object]], dict[
     return fns, not_run
 
 
-def table(title: str, model: nn.Module, times: dict[str, float], not_run: dict[str, str]) -> str:
+def table(
+    title: str, model: nn.Module, times: dict[str, float], not_run: dict[str, str], limit: StreamLimit | None = None
+) -> str:
     floats = [t for t in model.state_dict().values() if t.is_floating_point()]
     elements = sum(t.numel() for t in floats)
     parameters = sum(p.numel() for p in model.parameters())
@@ -202,7 +213,7 @@ def table(title: str, model: nn.Module, times: dict[str, float], not_run: dict[s
         name: 8.0 if name == COPY else 12.0 * parameters / elements if "parameters only" in name else 12.0
         for name in times
     }
-    return bandwidth_table(caption, elements, times, per_element, OURS, COPY, not_run)
+    return bandwidth_table(caption, elements, times, per_element, OURS, COPY, not_run, limit=limit)
 
 
 def main(argv: list[str]) -> int:
@@ -218,8 +229,10 @@ def main(argv: list[str]) -> int:
         torch.manual_seed(0)
         model = make().to(device)
         fns, not_run = contenders(model)
-        times = median_ms(fns, device, budget)
-        sections.append(table(title, model, times, not_run))
+        stream, limit_of = in_rounds(device, args.quick)  # the limit, timed in the same rounds as the rows
+        times = median_ms(fns | stream, device, budget)
+        limit = limit_of(times)
+        sections.append(table(title, model, times, not_run, limit))
         print(sections[-1], end="\n\n", flush=True)
     header = measured_on(device, command_line("benchmarks.ema", args))
     write_section(args.output, f"ema-{device.type}", f"EMA update ({device.type})", header, "\n\n".join(sections))

@@ -10,15 +10,20 @@ import time
 from collections.abc import Callable
 from datetime import date
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from benchmarks.stream import StreamLimit
 
 INTRO = """# Benchmarks
 
 Each section is written by the script it names, on the machine it names. Contenders run side by side in
 one process, in interleaved rounds, and the tables report medians and ratios: absolute times on shared
-machines are noisy, ratios much less so. Bandwidth is compared with a plain copy of the same bytes, the
-physical limit of the machine.
+machines are noisy, ratios much less so. Bandwidth is compared with a plain copy of the same bytes in the same
+rounds and, where a section says so, with the machine's limit measured the way STREAM does (`benchmarks.stream`,
+in the same process), counting every stream a contender moves.
 
 The peers are the libraries themselves, installed from PyPI and called the way their own docs and training
 scripts call them: timm, diffusers, ema-pytorch, torch's `AveragedModel` and Lightning for the EMA update;
@@ -94,41 +99,63 @@ def bandwidth_table(
     ours: str,
     copy: str,
     not_run: dict[str, str] | None = None,
+    limit: StreamLimit | None = None,
+    unread_writes: dict[str, float] | None = None,
 ) -> str:
-    """Markdown: ms, time over ``ours``, effective GB/s and its share of the plain copy's (row ``copy``); a row per
-    ``not_run`` contender says why it has no time."""
+    """Markdown: ms, time over ``ours``, effective GB/s (``bytes_per_element`` counted STREAM's way: the bytes a
+    contender names) and its share of the plain copy's (row ``copy``); a row per ``not_run`` contender says why it
+    has no time.
+
+    With ``limit`` (``benchmarks.stream.stream_limit``, measured in the same process), three more columns state each
+    row against STREAM: the bytes it moves, write-allocate counted where ``limit`` says the device reads a line before
+    writing it (``unread_writes``: bytes per element written to lines the contender did not read; by default 4 for a
+    row of 8 bytes, a copy, and 0 otherwise, an update in place), and that rate's share of STREAM copy's and STREAM
+    triad's, counted the same way. A copy is held to STREAM copy (the same kernel: its share is the same whichever the
+    count), an update in place to triad (two arrays read, one written)."""
     copy_gbs = bytes_per_element[copy] * elements / (times[copy] * 1e-3) / 1e9
-    lines = [
-        caption,
-        "",
-        "| contender | ms per call | time / ours | effective GB/s | % of copy bandwidth |",
-        "| --- | ---: | ---: | ---: | ---: |",
-    ]
+    columns = "| contender | ms per call | time / ours | effective GB/s | % of copy bandwidth |"
+    if limit is not None:
+        columns += " GB/s moved | % of STREAM copy | % of STREAM triad |"
+    lines = [caption, "", columns, "| --- " + "| ---: " * (columns.count("|") - 2) + "|"]
     for name, ms in times.items():
         gbs = bytes_per_element[name] * elements / (ms * 1e-3) / 1e9
-        lines.append(f"| {name} | {ms:.4f} | {ms / times[ours]:.2f}x | {gbs:.1f} | {100 * gbs / copy_gbs:.0f}% |")
-    lines += [f"| {name} | not run: {why} | - | - | - |" for name, why in (not_run or {}).items()]
+        row = f"| {name} | {ms:.4f} | {ms / times[ours]:.2f}x | {gbs:.1f} | {100 * gbs / copy_gbs:.0f}% |"
+        if limit is not None:
+            unread = (unread_writes or {}).get(name, 4.0 if bytes_per_element[name] == 8 else 0.0)
+            moved = (bytes_per_element[name] + (unread if limit.write_allocate else 0.0)) * elements / (ms * 1e-3) / 1e9
+            shares = [100 * moved / limit.moved(kernel) for kernel in ("copy", "triad")]
+            row += f" {moved:.1f} | {shares[0]:.0f}% | {shares[1]:.0f}% |"
+        lines.append(row)
+    dashes = " - |" * (columns.count("|") - 3)
+    lines += [f"| {name} | not run: {why} |{dashes}" for name, why in (not_run or {}).items()]
     return "\n".join(lines)
 
 
 def measured_on(device: torch.device, command: str) -> str:
     where = device.type + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
+    threads = f"{torch.get_num_threads()} thread{'s' if torch.get_num_threads() != 1 else ''}"
     return (
-        f"Measured {date.today()} on {where}, {platform.processor() or platform.machine()}, "
-        f"{torch.get_num_threads()} threads, torch {torch.__version__}, with `{command}`."
+        f"Measured {date.today()} on {where}, {platform.processor() or platform.machine()}, {threads}, "
+        f"torch {torch.__version__}, with `{command}`."
     )
 
 
 def parse_args(
     doc: str, argv: list[str], full_budget: float, default_output: Path
 ) -> tuple[argparse.Namespace, torch.device, float]:
-    """The options every benchmark takes: --device, --quick, --budget, --output; exits 2 on a missing GPU."""
+    """The options every benchmark takes: --device, --quick, --budget, --output, --threads; exits 2 on a missing
+    GPU."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quick", action="store_true", help="small sizes and a short budget (smoke test)")
     parser.add_argument("--budget", type=float, default=None, help="seconds of timing per configuration")
     parser.add_argument("--output", type=Path, default=default_output)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, one a core)")
     args = parser.parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            parser.error("--threads must be at least 1")
+        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda needs a CUDA GPU; none is available")
@@ -141,4 +168,5 @@ def command_line(module: str, args: argparse.Namespace) -> str:
     measured."""
     device = f" --device {args.device}" if torch.device(args.device).type != "cpu" else ""
     budget = f" --budget {args.budget:g}" if args.budget is not None else ""
-    return f"python -m {module}{device}{budget}"
+    threads = f" --threads {args.threads}" if getattr(args, "threads", None) is not None else ""
+    return f"python -m {module}{device}{budget}{threads}"

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 PEERS = {  # the rows each benchmark has for a peer library: (import name, row text)
     "benchmarks.ema": [("timm", "timm "), ("diffusers", "diffusers "), ("ema_pytorch", "ema-pytorch ")],
+    "benchmarks.posthoc_ema": [("ema_pytorch", "ema-pytorch ")],
     "benchmarks.target": [("stable_baselines3", "stable-baselines3 "), ("torchrl", "torchrl ")],
     "benchmarks.replay": [("stable_baselines3", "stable-baselines3 "), ("torchrl", "torchrl ")],
     "benchmarks.frame_replay": [("stable_baselines3", "stable-baselines3 "), ("torchrl", "torchrl ")],
@@ -36,7 +37,9 @@ NEEDS_ALE = pytest.mark.skipif(importlib.util.find_spec("ale_py") is None, reaso
 
 @pytest.mark.parametrize(("module", "key", "first_row", "ratio"), [
     ("benchmarks.ema", "ema-cpu", "| copy_correct.EMA.update |", "time / ours"),
+    ("benchmarks.posthoc_ema", "posthoc-ema-cpu", "| copy_correct.PowerEMA.update |", "mean error / ours"),
     ("benchmarks.target", "target-cpu", "| copy_correct.hard_update |", "time / ours"),
+    ("benchmarks.stream", "stream-cpu", "| copy | `c.copy_(a)` | 2 | 3 |", "% of triad moved"),
     ("benchmarks.gan", "gan-cpu", "| 64, 256 | ours: G once, detach, frozen D |", "time / ours"),
     ("benchmarks.loading", "loading-cpu", "| DeviceDataLoader (cpu) |", "time / bare loader"),
     ("benchmarks.sharded", "sharded-cpu", "| copy_correct.EMA (sharded) | 2 |", "each rank alone (/ N=1)"),
@@ -66,6 +69,46 @@ def test_benchmark_writes_its_section_beside_the_others_with_a_row_per_peer(
             assert lines and not said_missing, (peer, said_missing)
         else:
             assert said_missing and all("not installed" in line for line in said_missing), (peer, lines)
+
+
+def test_stream_measures_every_kernel_counted_both_ways_with_positive_rates(tmp_path: Path) -> None:
+    """``benchmarks.stream``'s quick run: STREAM's four kernels and our updates' calls, each with its streams counted
+    STREAM's way and with write-allocate, and a positive rate; no time is asserted."""
+    output = tmp_path / "benchmarks.md"
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.stream", "--quick", "--budget", "0.2", "--output", str(output)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    tables = read_tables(output.read_text())
+    stream = next(rows for caption, rows in tables.items() if caption.startswith("STREAM"))
+    assert list(stream)[:4] == ["copy", "scale", "add", "triad"] and len(stream) == 7
+    counts = {"copy": ("2", "3"), "scale": ("2", "3"), "add": ("3", "4"), "triad": ("3", "4")}
+    for kernel, cells in stream.items():
+        assert set(cells) >= {"streams (STREAM)", "streams moved (write-allocate)", "best GB/s (STREAM)",
+                              "median GB/s (STREAM)", "best GB/s moved", "% of triad moved"}  # fmt: skip
+        if kernel in counts:
+            assert (cells["streams (STREAM)"], cells["streams moved (write-allocate)"]) == counts[kernel]
+        assert float(cells["best GB/s (STREAM)"]) > 0 and float(cells["% of triad moved"].rstrip("%")) > 0
+    assert stream["triad"]["% of triad moved"] == "100%"
+    copies = next(rows for caption, rows in tables.items() if caption.startswith("A copy"))
+    assert "STREAM copy" in copies and all(float(cells["best GB/s (STREAM)"]) > 0 for cells in copies.values())
+
+
+def test_a_limit_adds_each_rows_bytes_moved_against_stream_copy_and_triad() -> None:
+    from benchmarks.stream import StreamLimit
+
+    limit = StreamLimit("cpu", 140.0, copy_median=20.0, triad_median=30.0, write_allocate=True)
+    assert (limit.moved("copy"), limit.moved("triad")) == (30.0, 40.0)  # 3 of 2 streams, 4 of 3
+    times = {"ours": 1.0, "copy": 1.0}  # 1M elements a ms: 8 GB/s a copy, 12 an update, counted STREAM's way
+    table = bandwidth_table("**t**: x", 1_000_000, times, {"ours": 12, "copy": 8}, "ours", "copy", limit=limit)
+    rows = read_tables(table)["t"]
+    assert rows["copy"]["GB/s moved"] == "12.0" and rows["copy"]["% of STREAM copy"] == "40%"  # + write-allocate
+    assert rows["ours"]["GB/s moved"] == "12.0" and rows["ours"]["% of STREAM triad"] == "30%"  # in place: none
+    assert rows["ours"]["% of copy bandwidth"] == "150%"  # the old column, kept
+    gpu = bandwidth_table("**t**: x", 1_000_000, times, {"ours": 12, "copy": 8}, "ours", "copy",
+                          limit=StreamLimit("cuda", 1.0, 20.0, 30.0, write_allocate=False))  # fmt: skip
+    assert read_tables(gpu)["t"]["copy"]["GB/s moved"] == "8.0"
 
 
 def test_a_section_written_again_replaces_the_old_one(tmp_path: Path) -> None:
