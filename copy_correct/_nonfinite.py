@@ -44,7 +44,7 @@ import torch
 
 from copy_correct._flat import flat_views
 
-__all__ = ["NonFiniteGuard"]
+__all__ = ["NonFiniteGuard", "ProfilesGuard"]
 
 # the integer dtype of each element size: a float's bits, selected exactly (bool viewed as uint8: no bool subtraction)
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -177,3 +177,65 @@ def _bumped(op: Callable[..., Any], dst: list[torch.Tensor], *args: Any) -> None
     op(dst, *args)
     if first._version == before:
         torch._C._increment_version(dst)
+
+
+class ProfilesGuard(NonFiniteGuard):
+    """``NonFiniteGuard`` for ``PowerEMA``: several profiles per group, one staging and one check per update shared by
+    them all, and each profile's weight computed on the device from the step of the last applied update.
+
+    ``groups``: per group, each profile's tensors (of one dtype and device) and whether they are averaged or copied.
+    ``applied`` is the step of the last applied update (0: none; a 0-dim float64 tensor, exact below 2**53), so a
+    skipped update is one that did not happen: the next good one, at step ``t``, weighs ``1 - (applied / t) **
+    (gamma + 1)``, ``PowerEMA.betas``' operations in their order and precision (float64; bit for bit on CPU), and
+    ``-0.0`` when bad. An averaged group's staging is zeroed once when bad and read by every profile's ``lerp_``; the
+    0-dim weight (and on CUDA the flat weight) of the group is refilled per profile, stream-ordered, so the scratch
+    is that of one average whatever the number of profiles. A copied (integer) group selects into the first profile
+    as ``NonFiniteGuard`` does, then into each other profile from it: ``p += (first - p) * good``, exact for any bits
+    (good: ``first`` is the live value; bad: nothing changes)."""
+
+    def __init__(
+        self,
+        groups: Sequence[tuple[list[list[torch.Tensor]], bool]],
+        gammas: Sequence[float],
+        skipped: torch.Tensor,
+        applied: torch.Tensor,
+    ) -> None:
+        super().__init__([(profiles[0], average) for profiles, average in groups], skipped, applied)
+        self.profiles = [profiles for profiles, _ in groups]
+        self.gammas = tuple(gammas)
+        home = skipped.device
+        self._step = torch.zeros((), dtype=torch.float64, device=home)
+        self._ratio = torch.zeros((), dtype=torch.float64, device=home)
+        self._weights = [torch.zeros((), dtype=torch.float64, device=home) for _ in self.gammas]
+        self._profile_bits = [  # a copied group's profiles as integers, for the select
+            [] if average else [[t.view(_BITS[t.element_size()]) for t in averages] for averages in profiles]
+            for profiles, average in groups
+        ]
+
+    def update_profiles(self, step: int) -> None:
+        """Average the staged live values into every profile at optimizer step ``step`` (copy the integer groups),
+        unless any of them is NaN or Inf; then ``applied`` becomes ``step``, else ``skipped`` counts one."""
+        self._check()
+        self._step.fill_(step)
+        torch.div(self.applied, self._step, out=self._ratio)  # previous / step
+        for gamma, weight in zip(self.gammas, self._weights, strict=True):
+            torch.pow(self._ratio, gamma + 1, out=weight)  # beta
+            torch.sub(self._one, weight, out=weight)  # 1 - beta
+            torch.where(self._good, weight, self._minus_zero, out=weight)
+        for group, profiles, profile_bits in zip(self.groups, self.profiles, self._profile_bits, strict=True):
+            if group.average:
+                group.flat_bits.mul_(group.keep)  # bad: every bit 0, +0.0
+                for averages, weight in zip(profiles, self._weights, strict=True):
+                    group.weight.copy_(weight, non_blocking=True)
+                    if group.flat_weight is not None:
+                        group.flat_weight.copy_(group.weight.expand_as(group.flat_weight))
+                    _bumped(torch._foreach_lerp_, averages, group.views, group.weights)
+            else:
+                self._select(group)  # into the first profile
+                for bits in profile_bits[1:]:
+                    torch._foreach_copy_(group.view_bits, group.average_bits)
+                    torch._foreach_sub_(group.view_bits, bits)  # first - p
+                    group.flat_bits.mul_(group.keep)
+                    _bumped(torch._foreach_add_, bits, group.view_bits)
+        self.skipped.add_(self._bad64)
+        torch.where(self._good, self._step, self.applied, out=self.applied)

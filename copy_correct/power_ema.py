@@ -27,6 +27,25 @@ Copy contract:
 * ``state_dict()`` holds the counters and the profiles' own tensors (aliased, like ``Module.state_dict``: save it
   before the next update); ``load_state_dict`` copies into them in place, so a resumed run continues the profiles and
   the snapshot schedule bit for bit. Both load with ``weights_only=True``.
+* ``skip_nonfinite=True`` (off by default): an update whose live parameters or floating buffers hold any NaN or Inf
+  leaves every profile bit for bit as it was (``-0.0`` entries and integer buffers included), decided on the device
+  as ``EMA(skip_nonfinite=True)`` does (``copy_correct._nonfinite``): no value read back, nothing allocated per
+  update, one flat staging copy of the live values (in the profiles' dtype) and one finite check per update, shared
+  by all profiles. A skipped update is an update that did not happen: the step of the last *applied* update is kept
+  on the device, and the next good update at step ``t`` uses ``beta = (applied / t) ** (gamma + 1)``, computed on the
+  device in float64 with ``betas``' operations (bit for bit the host's on CPU). So each profile is exactly the power
+  EMA of the weights of the applied updates, each standing for the steps since the one before: the weights of a
+  skipped update's steps are replaced by those of the next applied update (at ``update_every=N``, a skipped sample
+  merges into the next, as if ``update_every`` were ``2N`` there). ``step``, ``update_every`` and
+  ``snapshot_every`` count calls, skipped or not; ``updated_step`` is the last update made, skipped or not;
+  ``applied_step`` and ``skipped`` read the device (a sync, the reader's). A snapshot's ``step`` is the applied step
+  (read from the device: a snapshot syncs anyway; one taken with nothing applied since the last rewrites that file,
+  the same profiles under the same name), so ``synthesize``'s power-function response stays exact: it
+  reconstructs the post-hoc EMA of that trajectory, no approximation added; against a run with nothing skipped, a
+  skipped update at step ``s`` after an applied one at ``p`` moves the share ``(s ** (g+1) - p ** (g+1)) / t ** (g+1)``
+  of a profile at step ``t`` from the weights of step ``s`` to those of the next applied update. The snapshot also
+  records ``skipped`` (the count so far); ``state_dict`` saves ``skipped`` and ``applied_step``. A model non-finite at
+  construction, and a sharded one (each rank would decide alone), are refused.
 
 Sharded models (FSDP2: every parameter a ``DTensor``, each rank holding its shard; ``sharded`` is True):
 
@@ -56,6 +75,7 @@ from torch import nn
 from copy_correct._atomic_save import atomic_save
 from copy_correct._foreach_writes import foreach_copy_, foreach_lerp_
 from copy_correct._module_tensors import TensorRefs, state_entries, unwrap
+from copy_correct._nonfinite import ProfilesGuard
 from copy_correct._sharding import from_local, is_sharded, layout, local, local_part
 from copy_correct.power_function import sigma_rel_to_gamma
 
@@ -99,6 +119,9 @@ class PowerEMA:
         include_buffers: average floating buffers and copy integer ones; ``False``: parameters only.
         profile_dtype: dtype of the profiles' floating tensors; ``None``: float32 for float16/bfloat16 models, the
             model's dtype otherwise.
+        skip_nonfinite: skip, on the device, every update whose live values hold a NaN or an Inf, leaving every
+            profile bit for bit as it was; the next good update is made as if the skipped one had never been.
+            ``skipped`` counts them. Off by default: a staging copy of the weights is kept and the update costs more.
     """
 
     def __init__(
@@ -111,6 +134,7 @@ class PowerEMA:
         snapshot_dir: str | os.PathLike[str] | None = None,
         include_buffers: bool = True,
         profile_dtype: torch.dtype | None = None,
+        skip_nonfinite: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -134,10 +158,32 @@ class PowerEMA:
         self.snapshot_dir = Path(snapshot_dir) if snapshot_dir is not None else None
         self.step = 0  # optimizer steps seen (update() calls)
         self.updated_step = 0  # the step of the last averaging update: the profiles hold weights of steps 1..this
+        self.skip_nonfinite = skip_nonfinite
         self._model = unwrap(model)
         self.sharded = any(is_sharded(p) for p in self._model.parameters())
+        if self.sharded and skip_nonfinite:
+            raise ValueError(
+                "skip_nonfinite=True is not supported for a sharded (FSDP2) model: each rank sees only its shards, so "
+                "the ranks could decide differently and leave the profiles half updated"
+            )
         self.profiles: list[dict[str, torch.Tensor]] = [{} for _ in sigma_rels]
         self._groups = self._build(include_buffers, profile_dtype)
+        self._guard: ProfilesGuard | None = None
+        if skip_nonfinite:
+            home = self._groups[0].profiles[0][0].device if self._groups else torch.device("cpu")
+            self._skipped = torch.zeros((), dtype=torch.float64, device=home)  # updates skipped
+            self._applied_step = torch.zeros((), dtype=torch.float64, device=home)  # the last applied update's step
+            nonfinite = [
+                name for name, t in self.profiles[0].items() if t.is_floating_point() and not torch.isfinite(t).all()
+            ]
+            if nonfinite:
+                raise ValueError(
+                    f"skip_nonfinite=True, but the model's {nonfinite[:5]} hold NaN or Inf now, so every update would "
+                    "be skipped (a floating buffer filled with -inf, say an attention mask: store it as bool, or "
+                    "leave it out of the state_dict with persistent=False)"
+                )
+            groups = [(group.profiles, group.average) for group in self._groups]
+            self._guard = ProfilesGuard(groups, self.gammas, self._skipped, self._applied_step)
 
     def _build(self, include_buffers: bool, profile_dtype: torch.dtype | None) -> list[_Group]:
         groups: dict[tuple, _Group] = {}
@@ -164,7 +210,7 @@ class PowerEMA:
                     shard = local(live).to(dtype=dtype, copy=True)  # this rank's shard when sharded
                     profile[name] = from_local(shard, live) if is_sharded(live) else shard
                     tensors.append(shard)
-                if dtype != live.dtype:
+                if dtype != live.dtype and not self.skip_nonfinite:  # the guard stages every group itself
                     group.staging.append(torch.empty_like(local(live), dtype=dtype))
         return list(groups.values())
 
@@ -186,13 +232,16 @@ class PowerEMA:
         grad_was_enabled = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
         try:
-            for group in self._groups:
+            for index, group in enumerate(self._groups):
                 lives = group.live.resolve()
                 if lives[0].device != group.live_device or lives[0].dtype != group.live_dtype:
                     raise RuntimeError(
                         f"the model moved from {group.live_device}/{group.live_dtype} to {lives[0].device}/"
                         f"{lives[0].dtype} after the PowerEMA was created: create it after model.to(...)"
                     )
+                if self._guard is not None:
+                    foreach_copy_(self._guard.staging(index), [local(t) for t in lives])
+                    continue
                 if group.staging:
                     foreach_copy_(group.staging, lives)
                     lives = group.staging
@@ -201,19 +250,35 @@ class PowerEMA:
                         foreach_lerp_(profile, lives, weight)
                     else:
                         foreach_copy_(profile, lives)
+            if self._guard is not None:
+                self._guard.update_profiles(self.step)
         finally:
             torch._C._set_grad_enabled(grad_was_enabled)
         self.updated_step = self.step
         if self.snapshot_every is not None and self.step % self.snapshot_every == 0:
             self.save_snapshot(self.snapshot_dir)
 
+    @property
+    def skipped(self) -> int:
+        """How many updates ``skip_nonfinite`` skipped (0 without it). Kept on the device: reading it waits for the
+        updates queued before (a sync, the reader's, never ``update``'s)."""
+        return int(self._skipped) if self.skip_nonfinite else 0
+
+    @property
+    def applied_step(self) -> int:
+        """The step of the last applied update: the profiles hold the weights of steps ``1..applied_step``.
+        ``updated_step`` without ``skip_nonfinite``; with it, read from the device (a sync)."""
+        return int(self._applied_step) if self.skip_nonfinite else self.updated_step
+
     # -- snapshots ----------------------------------------------------------------------------------------
 
     def snapshot(self) -> dict[str, Any]:
         """The profiles as they are now, in new CPU tensors (ties kept; this rank's shards when sharded), with
         ``step`` (the last averaged step: the profiles hold the weights of steps ``1..step``), ``sigma_rels`` and
-        ``gammas``: what ``synthesize`` reads. Sharded: also ``rank``, ``world_size`` and each tensor's ``layout``."""
-        if self.updated_step == 0:
+        ``gammas``: what ``synthesize`` reads. Sharded: also ``rank``, ``world_size`` and each tensor's ``layout``.
+        Under ``skip_nonfinite``, ``step`` is ``applied_step`` and ``skipped`` the count so far."""
+        step = self.applied_step
+        if step == 0:
             raise RuntimeError("PowerEMA.snapshot before the first update: the profiles hold no training step yet")
         profiles = []
         with torch.no_grad():
@@ -225,11 +290,13 @@ class PowerEMA:
                 profiles.append({name: copies[id(t)] for name, t in profile.items()})
         state = {
             "format": SNAPSHOT_FORMAT,
-            "step": self.updated_step,
+            "step": step,
             "sigma_rels": list(self.sigma_rels),
             "gammas": list(self.gammas),
             "profiles": profiles,
         }
+        if self.skip_nonfinite:
+            state["skipped"] = int(self._skipped)
         if self.sharded:
             import torch.distributed as dist
 
@@ -255,18 +322,22 @@ class PowerEMA:
 
     def state_dict(self) -> dict[str, Any]:
         """Counters, settings and the profiles' own tensors (aliased: save before the next update; ``DTensor``s for a
-        sharded model)."""
-        return {
+        sharded model). Under ``skip_nonfinite`` also ``skipped`` and ``applied_step``, read from the device."""
+        state = {
             "sigma_rels": list(self.sigma_rels),
             "step": self.step,
             "updated_step": self.updated_step,
             "profiles": [dict(profile) for profile in self.profiles],
         }
+        if self.skip_nonfinite:  # read from the device: a sync per save
+            state |= {"skipped": int(self._skipped), "applied_step": self.applied_step}
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Copy saved profiles and counters in (in place); ``ValueError`` naming the difference when the state is of
         other ``sigma_rels``, another model, or spread otherwise over the ranks. Sharded: ``DTensor``s spread as the
-        model is, or full tensors, of which each rank copies its own part."""
+        model is, or full tensors, of which each rank copies its own part. A state without ``skipped`` and
+        ``applied_step`` (saved without ``skip_nonfinite``) counts none skipped."""
         if [float(s) for s in state["sigma_rels"]] != list(self.sigma_rels):
             raise ValueError(f"PowerEMA state has sigma_rels {list(state['sigma_rels'])}, this one {self.sigma_rels}")
         saved = state["profiles"]
@@ -296,6 +367,9 @@ class PowerEMA:
                     local(target).copy_(local(tensor))
         self.step = int(state["step"])
         self.updated_step = int(state["updated_step"])
+        if self.skip_nonfinite:  # a state saved without the guard: nothing skipped, every update applied
+            self._skipped.fill_(int(state.get("skipped", 0)))
+            self._applied_step.fill_(int(state.get("applied_step", self.updated_step)))
 
     def __repr__(self) -> str:
         return (

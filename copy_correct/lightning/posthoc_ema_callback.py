@@ -17,6 +17,9 @@ are only read; checkpoints keep the live weights as Lightning saves them.
 * Checkpoints hold the ``PowerEMA`` state (callback state, tensors and numbers only: loads with
   ``weights_only=True``); ``fit(ckpt_path=...)`` restores it, so a resumed run continues the profiles and the
   snapshots bit for bit.
+* ``skip_nonfinite=True``: an update whose live weights or floating buffers hold a NaN or an Inf is skipped on the
+  device, leaving every profile as it was (``copy_correct.power_ema`` says what the profiles then are); the count is
+  logged as ``posthoc_ema/skipped`` at the end of each training epoch, read from the device once per epoch.
 * Sharded models (``ModelParallelStrategy``) are refused when ``fit`` starts: use ``PowerEMA`` directly there.
 """
 
@@ -35,7 +38,7 @@ __all__ = ["PostHocEMACallback"]
 
 
 class PostHocEMACallback(pl.Callback):
-    """Args: those of ``PowerEMA`` (``sigma_rels`` ... ``profile_dtype``); ``snapshot_dir`` defaults to
+    """Args: those of ``PowerEMA`` (``sigma_rels`` ... ``skip_nonfinite``); ``snapshot_dir`` defaults to
     ``power_ema/`` in the checkpoint directory; ``module``: the submodule to average (an attribute path of the
     LightningModule, ``"generator"``), ``None`` for all of it."""
 
@@ -48,6 +51,7 @@ class PostHocEMACallback(pl.Callback):
         snapshot_dir: str | Path | None = None,
         include_buffers: bool = True,
         profile_dtype: torch.dtype | None = None,
+        skip_nonfinite: bool = False,
         module: str | None = None,
     ) -> None:
         self._kwargs: dict[str, Any] = {
@@ -55,6 +59,7 @@ class PostHocEMACallback(pl.Callback):
             "update_every": update_every,
             "include_buffers": include_buffers,
             "profile_dtype": profile_dtype,
+            "skip_nonfinite": skip_nonfinite,
         }
         # Bad arguments fail now; on a BatchNorm, whose construction draws nothing from the run's random generator.
         PowerEMA(torch.nn.BatchNorm1d(1), snapshot_every=snapshot_every, snapshot_dir=".", **self._kwargs)
@@ -104,6 +109,13 @@ class PostHocEMACallback(pl.Callback):
             self.power_ema.update()
             if self._directory is not None and self.power_ema.step % self.snapshot_every == 0:
                 self.save_snapshot(self._directory)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Log how many updates ``skip_nonfinite`` skipped so far: one read of the device counter per epoch."""
+        if self.power_ema is not None and self.power_ema.skip_nonfinite:
+            pl_module.log(
+                "posthoc_ema/skipped", float(self.power_ema.skipped), on_step=False, on_epoch=True, rank_zero_only=True
+            )
 
     def save_snapshot(self, directory: str | Path) -> Path:
         """Write the profiles as they are now to ``directory / snapshot_name(step)`` atomically (what the schedule
