@@ -216,14 +216,21 @@ def table(
     return bandwidth_table(caption, elements, times, per_element, OURS, COPY, not_run, limit=limit)
 
 
-def main(argv: list[str]) -> int:
-    args, device, budget = parse_args(__doc__, argv, 20.0, ROOT / "docs" / "benchmarks.md")
-    models = {"small model (digits MLP)": small_model}
-    if args.quick:
+def benchmark_models(quick: bool) -> dict[str, Callable[[], nn.Module]]:
+    """The models the EMA benchmarks time, by title: the digits MLP and two models of about 25M parameters (with
+    ``quick``, a small conv net instead of those two)."""
+    models: dict[str, Callable[[], nn.Module]] = {"small model (digits MLP)": small_model}
+    if quick:
         models["medium model (conv net)"] = lambda: conv_net([(32, 2), (64, 2)])
     else:
         models["large model (conv net)"] = large_model
         models["large model (transformer blocks)"] = transformer_model
+    return models
+
+
+def main(argv: list[str]) -> int:
+    args, device, budget = parse_args(__doc__, argv, 20.0, ROOT / "docs" / "benchmarks.md")
+    models = benchmark_models(args.quick)
     sections = []
     for title, make in models.items():
         torch.manual_seed(0)

@@ -37,7 +37,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from benchmarks.ema import conv_net, large_model, small_model, transformer_model
+from benchmarks.ema import benchmark_models, small_model
 from benchmarks.peers import Missing, label, load
 from benchmarks.report import command_line, measured_on, median_ms, parse_args, write_section
 from copy_correct import PowerEMA, synthesize
@@ -251,12 +251,7 @@ def reconstruction_table(rows: dict[str, list[float]], not_run: dict[str, str], 
 
 def main(argv: list[str]) -> int:
     args, device, budget = parse_args(__doc__, argv, 15.0, ROOT / "docs" / "benchmarks.md")
-    models = {"small model (digits MLP)": small_model}
-    if args.quick:
-        models["medium model (conv net)"] = lambda: conv_net([(32, 2), (64, 2)])
-    else:
-        models["large model (conv net)"] = large_model
-        models["large model (transformer blocks)"] = transformer_model
+    models = benchmark_models(args.quick)
     steps, snapshots = (200, 4) if args.quick else (STEPS, SNAPSHOTS)
     sections = []
     with tempfile.TemporaryDirectory() as scratch:
