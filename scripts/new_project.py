@@ -13,8 +13,11 @@ run, ``pyproject.toml`` and a README naming what to change first. Nothing is lis
 * A copied module's own test (``OWN_TESTS``: ``copy_correct/ema.py`` -> ``tests/parts/test_ema.py``,
   ``copy_correct/lightning/ema_callback.py`` -> ``tests/lightning/test_ema_callback.py``) comes with it, and with
   the modules it needs (the probes it measures with), unless it needs a recipe or a script.
+* A command that belongs with a copied module (``COMMANDS``: ``PostHocEMACallback`` -> ``scripts/posthoc_ema.py``)
+  comes with it.
 * Other tests: each test file that imports something the starter has and nothing it lacks, and that names
-  no file it lacks (``"scripts/x.py"``) and no other recipe (``"+recipe=gan"``, or a recipe's name among
+  no file or module it lacks (``"scripts/x.py"``, ``"scripts.x"`` run with ``-m``) and no other recipe
+  (``"+recipe=gan"``, or a recipe's name among
   the strings of a test that builds ``f"+recipe={name}"``); helpers under ``tests/`` that a copied test
   names (``"ddp_ema.py"``) come with it.
 * Dependencies: ours, less those no copied file imports; a package the copied code imports that ours
@@ -50,6 +53,8 @@ OWN_TESTS = {
     "recipes": f"{TESTS}.recipes",
     "recipes.data": f"{TESTS}.recipes",
 }
+# A command that belongs with a copied module: the starter that has the module gets the command (and its test runs).
+COMMANDS = {"copy_correct.lightning.posthoc_ema_callback": "scripts.posthoc_ema"}
 _RECIPE_REF = re.compile(r"(?<![\w.])\+{0,2}recipe=(\w+)")
 _DEP_NAME = re.compile(r'^\s*"([A-Za-z0-9][A-Za-z0-9._-]*)')
 
@@ -168,6 +173,8 @@ class SourceTree:
         for text in texts:
             if text.endswith(".py"):
                 found.modules |= self._file_modules(text)
+            elif "." in text and text in self.paths:  # a module run as a command: python -m scripts.x
+                found.modules.add(text)
             found.recipes.update(set(_RECIPE_REF.findall(text)) & self.recipes)
         if _builds_recipe_argument(self.tree(module)):  # f"+recipe={name}": each recipe name may be run
             found.recipes.update(set(texts) & self.recipes)
@@ -270,7 +277,9 @@ def plan(recipe: str, name: str, root: Path = ROOT) -> Starter:
                 raise StarterError(f"{path.relative_to(root)} names {target}, which does not exist")
             roots |= found.modules
             conf_third_party |= found.third_party
-    modules = _with_own_tests(tree, _closure(tree, tree.with_packages(roots), recipe), recipe)
+    modules = _closure(tree, tree.with_packages(roots), recipe)
+    commands = {COMMANDS[m] for m in modules if m in COMMANDS and COMMANDS[m] in tree.paths}
+    modules = _with_own_tests(tree, _closure(tree, tree.with_packages(modules | commands), recipe), recipe)
     modules |= tree.with_packages(_runnable_tests(tree, modules, recipe))
     third_party = conf_third_party.union(*(tree.needs(m).third_party for m in modules))
     pyproject, dependencies, dropped, added = _pyproject(root, name, recipe, third_party)
