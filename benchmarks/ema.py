@@ -22,16 +22,19 @@ Contenders, each keeping a float32 average of the same model and updating it onc
   optimizer step (an ``AveragedModel`` with ``avg_fn``, one Python-level average per tensor)
 * the articles' loop: ``e.copy_(decay * e + (1 - decay) * p)`` per tensor under ``no_grad``
 * a bare ``_foreach_lerp_`` over prebuilt lists under ``no_grad`` (the floor for this work)
+* ``lerp_`` in place on one flat tensor of the same number of elements: the same update with one kernel, not one per
+  tensor (on a CPU a foreach call runs a kernel per tensor, each its own parallel region)
 * a plain copy of the same number of bytes as one contiguous tensor, from a written source
-* STREAM's copy and triad on arrays four times the caches (``benchmarks.stream``), timed in the same rounds: the
-  machine's limit each row is stated against
+* STREAM's copy and triad and STREAM2's DAXPY (``a += q*b``, in place) on arrays four times the caches
+  (``benchmarks.stream``), timed in the same rounds: the machine's limits the rows are held to
 
 A peer that is not installed, or cannot run here, gets a row that says why. Timings are medians over interleaved
 rounds, so all contenders see the same machine load; the table reports milliseconds, each contender's time over
 ours, and effective bandwidth: an EMA update reads the shadow and the weights and writes the shadow (12 bytes per
 float32 element), a copy reads and writes (8 bytes). On caches that read a line before writing it, the copy's real
 traffic is 12 bytes too, so an update can reach more than 100% of the copy's effective figure; the STREAM columns
-count what each row really moves (a copy's write-allocate read included on a CPU) against STREAM triad and copy.
+count what each row really moves (a copy's write-allocate read included on a CPU) and hold it to the kernel with its
+access pattern: a copy to STREAM copy, an update in place to DAXPY.
 diffusers' rows move only the parameters' bytes, so their bandwidth is counted on those.
 """
 
@@ -61,6 +64,7 @@ DECAY = 0.999
 OURS = "copy_correct.EMA.update"
 GUARDED = "copy_correct.EMA.update, skip_nonfinite=True"
 COPY = "plain copy of the same bytes"
+FLAT_LERP = "flat lerp_ of the same bytes (one tensor)"
 
 
 def conv_net(widths: list[tuple[int, int]]) -> nn.Module:
@@ -193,6 +197,7 @@ def contenders(model: nn.Module) -> tuple[dict[str, Callable[[], object]], dict[
     fns |= {
         "articles' per-tensor copy_ loop": articles_loop,
         "bare _foreach_lerp_, prebuilt lists": bare_lerp,
+        FLAT_LERP: lambda: flat_target.lerp_(flat_source, 1 - DECAY),
         COPY: lambda: flat_target.copy_(flat_source),
     }
     return fns, not_run

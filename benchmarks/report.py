@@ -100,31 +100,30 @@ def bandwidth_table(
     copy: str,
     not_run: dict[str, str] | None = None,
     limit: StreamLimit | None = None,
-    unread_writes: dict[str, float] | None = None,
 ) -> str:
     """Markdown: ms, time over ``ours``, effective GB/s (``bytes_per_element`` counted STREAM's way: the bytes a
     contender names) and its share of the plain copy's (row ``copy``); a row per ``not_run`` contender says why it
     has no time.
 
-    With ``limit`` (``benchmarks.stream.stream_limit``, measured in the same process), three more columns state each
-    row against STREAM: the bytes it moves, write-allocate counted where ``limit`` says the device reads a line before
-    writing it (``unread_writes``: bytes per element written to lines the contender did not read; by default 4 for a
-    row of 8 bytes, a copy, and 0 otherwise, an update in place), and that rate's share of STREAM copy's and STREAM
-    triad's, counted the same way. A copy is held to STREAM copy (the same kernel: its share is the same whichever the
-    count), an update in place to triad (two arrays read, one written)."""
+    With ``limit`` (``benchmarks.stream.in_rounds``, timed in the same rounds), three more columns state each row
+    against the machine's limit for its access pattern: the bytes it moves, write-allocate counted where ``limit``
+    says the device reads a line before writing it (a row of 8 bytes an element is a copy: 4 more bytes; any other
+    row updates in place and writes only lines it read), the kernel it is held to (a copy to STREAM copy, an update
+    in place to STREAM2's DAXPY, ``a += q*b``), and that kernel's share, counted the same way."""
     copy_gbs = bytes_per_element[copy] * elements / (times[copy] * 1e-3) / 1e9
     columns = "| contender | ms per call | time / ours | effective GB/s | % of copy bandwidth |"
     if limit is not None:
-        columns += " GB/s moved | % of STREAM copy | % of STREAM triad |"
+        columns += " GB/s moved | held to | % of it |"
     lines = [caption, "", columns, "| --- " + "| ---: " * (columns.count("|") - 2) + "|"]
     for name, ms in times.items():
         gbs = bytes_per_element[name] * elements / (ms * 1e-3) / 1e9
         row = f"| {name} | {ms:.4f} | {ms / times[ours]:.2f}x | {gbs:.1f} | {100 * gbs / copy_gbs:.0f}% |"
         if limit is not None:
-            unread = (unread_writes or {}).get(name, 4.0 if bytes_per_element[name] == 8 else 0.0)
-            moved = (bytes_per_element[name] + (unread if limit.write_allocate else 0.0)) * elements / (ms * 1e-3) / 1e9
-            shares = [100 * moved / limit.moved(kernel) for kernel in ("copy", "triad")]
-            row += f" {moved:.1f} | {shares[0]:.0f}% | {shares[1]:.0f}% |"
+            is_copy = bytes_per_element[name] == 8
+            unread = 4.0 if is_copy and limit.write_allocate else 0.0
+            moved = (bytes_per_element[name] + unread) * elements / (ms * 1e-3) / 1e9
+            kernel, held_to = ("copy", "STREAM copy") if is_copy else ("daxpy", "DAXPY")
+            row += f" {moved:.1f} | {held_to} | {100 * moved / limit.moved(kernel):.0f}% |"
         lines.append(row)
     dashes = " - |" * (columns.count("|") - 3)
     lines += [f"| {name} | not run: {why} |{dashes}" for name, why in (not_run or {}).items()]

@@ -18,15 +18,16 @@ as ours, without our bookkeeping), and one ``_foreach_copy_`` over a list that m
 Soft (Polyak, tau = 0.005): ``copy_correct.soft_update``; SB3's ``polyak_update(params, target_params, tau)`` and
 the running statistics copied with ``tau=1.0``, as SB3's ``DQN`` does; TorchRL's ``SoftUpdate(loss, tau=tau)
 .step()``; CleanRL's ``dqn.py`` line ``t.data.copy_(tau * q.data + (1 - tau) * t.data)`` (CleanRL is
-single-file scripts, not a package: the line is quoted); a bare ``_foreach_lerp_``. Plus a plain copy of the
+single-file scripts, not a package: the line is quoted); a bare ``_foreach_lerp_``; and ``lerp_`` on one flat
+tensor of the floating elements (one kernel where a CPU's foreach call runs one per tensor). Plus a plain copy of the
 same bytes (from a written source: ``torch.empty``'s untouched pages all read as one zero page, from cache).
 
 Bandwidth. Effective GB/s counts STREAM's way, the bytes each contender names: 8 per element for a copy, 12 for a
 soft update, over the whole state (the peers that update parameters and running statistics only move a little
-less). Each table's rounds also time STREAM copy and triad on arrays of 4x the caches (``benchmarks.stream``), and
-each row is stated against them in bytes moved: on a CPU a copy also reads each target line before writing it
-(write-allocate: 12 bytes), an update in place writes lines it has read (12); a copy is held to STREAM copy, an
-update to STREAM triad.
+less). Each table's rounds also time STREAM copy and triad and STREAM2's DAXPY on arrays of 4x the caches
+(``benchmarks.stream``), and each row is stated in bytes moved against the kernel with its access pattern: on a CPU
+a copy also reads each target line before writing it (write-allocate: 12 bytes) and is held to STREAM copy; an
+update in place writes lines it has read (12) and is held to DAXPY (``a += q*b``, in place).
 
 The mixed-dtype row explains a number: on CUDA a foreach call takes its fused path only when every tensor in
 its lists has one dtype; float weights and BatchNorm's int64 ``num_batches_tracked`` in one list send the
@@ -55,7 +56,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.ema import conv_net, large_model
+from benchmarks.ema import FLAT_LERP, conv_net, large_model
 from benchmarks.peers import Missing, label, load
 from benchmarks.report import bandwidth_table, command_line, measured_on, median_ms, parse_args, write_section
 from benchmarks.stream import in_rounds
@@ -142,6 +143,7 @@ def contenders(online: nn.Module) -> tuple[Contenders, Contenders, dict[str, str
                 torch._foreach_copy_(t_int, q_int)
 
     flat_target_float = torch.empty(sum(q.numel() for q in q_float), device=q_float[0].device)
+    flat_source_float = torch.randn_like(flat_target_float)
     q_float_flat = [q.reshape(-1) for q in q_float]  # views: the weights are contiguous
 
     def cat_copy() -> None:
@@ -200,6 +202,7 @@ def contenders(online: nn.Module) -> tuple[Contenders, Contenders, dict[str, str
         "CleanRL dqn.py's line: copy_(tau*q + (1-tau)*t) per parameter": cleanrl,
         "bare _foreach_lerp_, prebuilt lists": bare_lerp,
         "candidate: lerp_ per large tensor, foreach for the rest": split_lerp,
+        FLAT_LERP: lambda: flat_target_float.lerp_(flat_source_float, TAU),
     }
     return hard, soft, not_run
 
@@ -229,11 +232,11 @@ def tables(
     low = []
     for ours, ms, moved, limit, kernel in [
         ("hard_update", hard_times["copy_correct.hard_update"], 8 + 4 * hard_limit.write_allocate, hard_limit, "copy"),
-        ("soft_update", soft_times["copy_correct.soft_update"], 12, soft_limit, "triad"),
+        ("soft_update", soft_times["copy_correct.soft_update"], 12, soft_limit, "daxpy"),
     ]:
         share = 100 * moved * (elements if ours == "hard_update" else floats) / (ms * 1e-3) / 1e9 / limit.moved(kernel)
         if share < FLOOR_SHARE:
-            low.append(f"`{ours}` on the {title} at {share:.0f}% of STREAM {kernel}")
+            low.append(f"`{ours}` on the {title} at {share:.0f}% of {'STREAM copy' if kernel == 'copy' else 'DAXPY'}")
     hard_not_run = {name: why for name, why in not_run.items() if "tau=1.0" in name or "Hard" in name}
     soft_not_run = {name: why for name, why in not_run.items() if name not in hard_not_run}
     return "\n\n".join(
@@ -263,8 +266,9 @@ def main(argv: list[str]) -> int:
         print(table, end="\n\n", flush=True)
     header = (
         f"{measured_on(device, command_line('benchmarks.target', args))} Each caption gives STREAM copy and triad "
-        "timed in that table's own rounds; each row's bytes moved are stated against them, a copy's against STREAM "
-        "copy, an update's against triad (the STREAM section, at the end of this page, says how they are counted). "
+        "and STREAM2's DAXPY timed in that table's own rounds; each row's bytes moved are held to the kernel with its "
+        "access pattern, a copy's to STREAM copy, an update's in place to DAXPY (the STREAM section, at the end of "
+        "this page, says how they are counted and why). "
         + (
             f"Ours below {FLOOR_SHARE}% of STREAM: {'; '.join(low)}. On the two MLPs the state (44 KB, 272 KB) sits "
             "in cache and a call's fixed cost is most of its time: the share measures overhead, not memory; on the "
