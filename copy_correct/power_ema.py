@@ -338,26 +338,8 @@ class PowerEMA:
         other ``sigma_rels``, another model, or spread otherwise over the ranks. Sharded: ``DTensor``s spread as the
         model is, or full tensors, of which each rank copies its own part. A state without ``skipped`` and
         ``applied_step`` (saved without ``skip_nonfinite``) counts none skipped."""
-        if [float(s) for s in state["sigma_rels"]] != list(self.sigma_rels):
-            raise ValueError(f"PowerEMA state has sigma_rels {list(state['sigma_rels'])}, this one {self.sigma_rels}")
+        self.check_state(state)
         saved = state["profiles"]
-        for profile, loaded in zip(self.profiles, saved, strict=True):
-            if set(profile) != set(loaded):
-                missing, unexpected = sorted(set(profile) - set(loaded)), sorted(set(loaded) - set(profile))
-                raise ValueError(
-                    f"PowerEMA state does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
-                )
-            for name, tensor in loaded.items():
-                if tensor.shape != profile[name].shape:
-                    raise ValueError(
-                        f"PowerEMA state for {name!r} has shape {tuple(tensor.shape)}, the model's is "
-                        f"{tuple(profile[name].shape)}"
-                    )
-                if is_sharded(tensor) and layout(tensor) != layout(profile[name]):
-                    raise ValueError(
-                        f"PowerEMA state for {name!r} is {layout(tensor)}, the model's is {layout(profile[name])}: "
-                        "a sharded profile is restored only as it was saved, or from full tensors"
-                    )
         with torch.no_grad():
             for profile, loaded in zip(self.profiles, saved, strict=True):
                 for name, tensor in loaded.items():
@@ -370,6 +352,33 @@ class PowerEMA:
         if self.skip_nonfinite:  # a state saved without the guard: nothing skipped, every update applied
             self._skipped.fill_(int(state.get("skipped", 0)))
             self._applied_step.fill_(int(state.get("applied_step", self.updated_step)))
+
+    def check_state(self, state: Mapping[str, Any]) -> None:
+        """``load_state_dict``'s checks alone, reading nothing but names, shapes and spreads: ``ValueError`` naming
+        the difference. A profile's entry may be ``None`` (a tensor not read yet), which only its name is checked
+        for."""
+        if [float(s) for s in state["sigma_rels"]] != list(self.sigma_rels):
+            raise ValueError(f"PowerEMA state has sigma_rels {list(state['sigma_rels'])}, this one {self.sigma_rels}")
+        saved = state["profiles"]
+        for profile, loaded in zip(self.profiles, saved, strict=True):
+            if set(profile) != set(loaded):
+                missing, unexpected = sorted(set(profile) - set(loaded)), sorted(set(loaded) - set(profile))
+                raise ValueError(
+                    f"PowerEMA state does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+                )
+            for name, tensor in loaded.items():
+                if tensor is None:
+                    continue
+                if tensor.shape != profile[name].shape:
+                    raise ValueError(
+                        f"PowerEMA state for {name!r} has shape {tuple(tensor.shape)}, the model's is "
+                        f"{tuple(profile[name].shape)}"
+                    )
+                if is_sharded(tensor) and layout(tensor) != layout(profile[name]):
+                    raise ValueError(
+                        f"PowerEMA state for {name!r} is {layout(tensor)}, the model's is {layout(profile[name])}: "
+                        "a sharded profile is restored only as it was saved, or from full tensors"
+                    )
 
     def __repr__(self) -> str:
         return (

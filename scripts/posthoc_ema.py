@@ -11,12 +11,21 @@ snapshots); so do a module's other weights where the snapshots are of one submod
 generator). Each is written, atomically, beside it as ``posthoc-ema-sigma0.080-step000004000.ckpt``, so that
 ``MyModule.load_from_checkpoint(path)`` returns the averaged model. Exit status 2, with one line, when there is
 nothing to synthesize from.
+
+A sharded run's snapshots (FSDP2: ``power-ema-STEP-rankRofW.pt``, every rank its shards) are combined rank by rank,
+each rank's files into its shards with no gather (the combination is linear), and the shards then joined into full
+tensors as their layout says (``Shard(dim=0)`` over a mesh of W ranks: concatenated in rank order); a distributed
+checkpoint (a directory) is read whole in this one process (``torch.distributed.checkpoint``'s converter). The
+output is one file of full weights either way.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,17 +39,88 @@ from copy_correct.posthoc_ema import load_snapshot, snapshot_paths
 KEPT = ("pytorch-lightning_version", "hyper_parameters", "hparams_name", "hparams_type", "epoch")
 
 
+SHARD_FILE = re.compile(r"power-ema-(\d{9})-rank(\d+)of(\d+)\.pt")
+SHARD_LAYOUT = re.compile(r"Shard\(dim=(\d+)\) over a mesh of (\d+) ranks?")
+
+
 def snapshot_dir(run_dir: Path) -> Path:
-    """The one folder of unsharded snapshots under ``run_dir``."""
-    found = sorted({p.parent for p in run_dir.rglob("power-ema-?????????.pt")})
+    """The one folder of snapshots (of an unsharded model, or every rank's of a sharded one) under ``run_dir``."""
+    found = sorted({p.parent for pattern in ("power-ema-?????????.pt", "power-ema-?????????-rank*of*.pt")
+                    for p in run_dir.rglob(pattern)})  # fmt: skip
     if len(found) != 1:
         what = "no PowerEMA snapshots" if not found else f"{len(found)} folders of snapshots ({found[0]}, ...)"
         raise ValueError(f"{run_dir} holds {what}: give the run's own directory")
     return found[0]
 
 
+def rank_paths(directory: Path) -> list[list[Path]] | None:
+    """Each rank's snapshot files in ``directory``, in rank order, or ``None`` for an unsharded model's; a
+    ``ValueError`` when ranks are missing or hold other steps, or the files are of several world sizes."""
+    sharded = [(p, SHARD_FILE.fullmatch(p.name)) for p in sorted(directory.glob("power-ema-*-rank*of*.pt"))]
+    if not sharded:
+        return None
+    worlds = {int(m[3]) for _, m in sharded if m}
+    if len(worlds) != 1:
+        raise ValueError(f"{directory} holds the snapshots of {len(worlds)} world sizes {sorted(worlds)}: one run's")
+    world = worlds.pop()
+    ranks = [snapshot_paths(directory, rank=r) for r in range(world)]
+    steps = [[p.name.split("-")[2] for p in paths] for paths in ranks]
+    for rank, these in enumerate(steps):
+        if these != steps[0]:
+            raise ValueError(
+                f"rank {rank} of {world} has snapshots of {len(these)} steps in {directory}, rank 0 of "
+                f"{len(steps[0])}: every rank writes one file per snapshot"
+            )
+    return ranks
+
+
+def join_shards(shards: list[dict[str, torch.Tensor]], layouts: Mapping[str, str]) -> dict[str, torch.Tensor]:
+    """Full tensors from each rank's shards (``shards[r]``, by name), as each tensor's layout says: a tensor not
+    sharded is rank 0's; one sharded on dim D of a mesh of W ranks is its shards concatenated on D in rank order."""
+    joined = {}
+    for name, tensor in shards[0].items():
+        spread = layouts[name]
+        if spread == "not sharded":
+            joined[name] = tensor
+            continue
+        match = SHARD_LAYOUT.fullmatch(spread)
+        if match is None or int(match[2]) != len(shards):
+            raise ValueError(f"{name!r} is spread as {spread}: only Shard(dim=D) over one mesh of all ranks is joined")
+        joined[name] = torch.cat([rank[name] for rank in shards], dim=int(match[1]))
+    return joined
+
+
+def read_checkpoint(path: Path) -> dict[str, Any]:
+    """A Lightning checkpoint as one dict: a file as it is; a distributed checkpoint (a directory) converted in this
+    one process (its shards joined), its ``meta.pt`` merged in. Entries a callback stored in the weights under its
+    own key (``KEY/...``: an average's shards in a distributed checkpoint) are left out of the ``state_dict``."""
+    # The run's own checkpoint: Lightning pickles hyperparameters of any type into it, so not weights_only.
+    if path.is_dir():
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        with tempfile.TemporaryDirectory() as scratch:
+            dcp_to_torch_save(path, Path(scratch) / "full.pt")
+            checkpoint = torch.load(Path(scratch) / "full.pt", map_location="cpu", weights_only=False)
+        checkpoint |= torch.load(path / "meta.pt", map_location="cpu", weights_only=False)
+    else:
+        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    owners = tuple(f"{key}/" for key in checkpoint.get("callbacks", {}))
+    checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith(owners)}
+    return checkpoint
+
+
+def weights_at(directory: Path, sigma_rel: float, step: int) -> dict[str, torch.Tensor]:
+    """The post-hoc EMA of ``sigma_rel`` at ``step`` from the snapshots in ``directory``, as full tensors."""
+    ranks = rank_paths(directory)
+    if ranks is None:
+        return synthesize(snapshot_paths(directory), sigma_rel, step)
+    layouts = load_snapshot(ranks[0][0])["layout"]
+    return join_shards([synthesize(paths, sigma_rel, step) for paths in ranks], layouts)
+
+
 def base_checkpoint(directory: Path) -> Path:
-    """The newest Lightning checkpoint in ``directory`` that this command did not write."""
+    """The newest Lightning checkpoint (a file, or a distributed checkpoint's directory) in ``directory`` that this
+    command did not write."""
     found = [p for p in directory.glob("*.ckpt") if not p.name.startswith("posthoc-ema-")]
     if not found:
         raise ValueError(f"no checkpoint (*.ckpt) in {directory} to take the hyperparameters from: give --checkpoint")
@@ -76,7 +156,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     try:
         snapshots = snapshot_dir(args.run_dir)
-        paths = snapshot_paths(snapshots)
+        ranks = rank_paths(snapshots)
+        paths = snapshot_paths(snapshots) if ranks is None else ranks[0]
         states = [load_snapshot(p) for p in paths]  # memory-mapped: only the metadata is read here
         step = args.step if args.step is not None else max(int(s["step"]) for s in states)
         modules = {s.get("module") for s in states}
@@ -84,10 +165,9 @@ def main(argv: list[str]) -> int:
             raise ValueError(f"{snapshots} holds snapshots of different modules ({sorted(map(str, modules))})")
         module = modules.pop()
         source = args.checkpoint or base_checkpoint(snapshots.parent)
-        # The run's own checkpoint: Lightning pickles hyperparameters of any type into it, so not weights_only.
-        base = torch.load(source, map_location="cpu", mmap=True, weights_only=False)
+        base = read_checkpoint(source)
         for sigma_rel in args.sigma_rel:
-            weights = synthesize(paths, sigma_rel, step)
+            weights = weights_at(snapshots, sigma_rel, step)
             path = source.parent / f"posthoc-ema-sigma{sigma_rel:.3f}-step{step:09d}.ckpt"
             meta = {"sigma_rel": sigma_rel, "step": step, "snapshots": str(snapshots), "module": module}
             write(base, weights, path, meta, module)

@@ -81,6 +81,7 @@ from copy_correct._module_tensors import TensorRefs, state_entries
 from copy_correct._sharding import is_sharded, local, local_part, reshard
 from copy_correct.ema import EMA
 from copy_correct.errors import CheckpointMismatch
+from copy_correct.lightning._distributed_state import names_keys, read_into, store_under_keys
 
 __all__ = ["EMACallback"]
 
@@ -295,9 +296,9 @@ class EMACallback(pl.Callback):
         if self.checkpoint_weights == "ema" and weights:
             ours["live"] = _average_into_weights(weights, state["shadow"])
         if distributed:  # every rank writes its shards
-            state["shadow"] = _stored_under_keys(weights, state["shadow"], f"{self.state_key}/ema/shadow")
+            state["shadow"] = store_under_keys(weights, state["shadow"], f"{self.state_key}/ema/shadow")
             if "live" in ours:
-                ours["live"] = _stored_under_keys(weights, ours["live"], f"{self.state_key}/live")
+                ours["live"] = store_under_keys(weights, ours["live"], f"{self.state_key}/live")
 
     def on_load_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -309,16 +310,14 @@ class EMACallback(pl.Callback):
         if live is None:
             return
         try:
-            if live and all(isinstance(key, str) for key in live.values()):
+            if names_keys(live):
                 weights = pl_module.state_dict(keep_vars=True)
                 missing = sorted(set(live) - set(weights))
                 if missing:
                     raise ValueError(
                         f"the checkpoint's live weights name tensors the model does not have: {missing[:5]}"
                     )
-                live = self._read_from_distributed_checkpoint(
-                    {name: torch.empty_like(weights[name]) for name in live}, live
-                )
+                live = read_into({name: torch.empty_like(weights[name]) for name in live}, live, self._ckpt_path)
             _copy_into_module(pl_module, live)
         except ValueError as err:
             raise CheckpointMismatch(str(err)) from err
@@ -333,8 +332,7 @@ class EMACallback(pl.Callback):
 
     def _load(self, ema: EMA, state: Mapping[str, Any]) -> None:
         try:
-            shadow = state.get("shadow")
-            if isinstance(shadow, Mapping) and shadow and all(isinstance(key, str) for key in shadow.values()):
+            if names_keys(state.get("shadow")):
                 state = self._read_distributed_checkpoint(ema, state)
             ema.load_state_dict(state)
         except ValueError as err:
@@ -347,21 +345,12 @@ class EMACallback(pl.Callback):
         holders = {name: torch.empty_like(ema.shadow[name]) if name in ema.shadow else None for name in keys}
         read = {**state, "shadow": holders}
         ema.check_state(read)
-        self._read_from_distributed_checkpoint(holders, keys)
+        read_into(holders, keys, self._ckpt_path)
         return read
 
-    def _read_from_distributed_checkpoint(
-        self, holders: dict[str, torch.Tensor], keys: Mapping[str, str]
-    ) -> dict[str, torch.Tensor]:
-        """``holders`` (spread as the tensors to restore), filled in place from the keys of the distributed checkpoint
-        being restored (every rank reads its shards)."""
-        from torch.distributed.checkpoint import load
-
-        path = self._trainer.ckpt_path if self._trainer is not None else None
-        if path is None:
-            raise ValueError("the EMA state names tensors in a distributed checkpoint, but no checkpoint is being read")
-        load({"state_dict": {keys[name]: holder for name, holder in holders.items()}}, checkpoint_id=path)
-        return holders
+    @property
+    def _ckpt_path(self) -> str | None:
+        return self._trainer.ckpt_path if self._trainer is not None else None
 
 
 def _average_into_weights(
@@ -375,18 +364,6 @@ def _average_into_weights(
             live[name] = weights[name]
             weights[name] = tensor if tensor.dtype == live[name].dtype else tensor.to(live[name].dtype)
     return live
-
-
-def _stored_under_keys(
-    weights: dict[str, torch.Tensor], tensors: Mapping[str, torch.Tensor], prefix: str
-) -> dict[str, str]:
-    """Put tensors into a distributed checkpoint's weights, each under a key of its own unless the weights already
-    hold that very tensor under its name; return each name's key."""
-    keys = {}
-    for name, tensor in tensors.items():
-        keys[name] = name if weights.get(name) is tensor else f"{prefix}/{name}"
-        weights[keys[name]] = tensor
-    return keys
 
 
 def _copy_into_module(module: torch.nn.Module, values: Mapping[str, torch.Tensor]) -> None:

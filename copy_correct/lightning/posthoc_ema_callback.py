@@ -13,14 +13,24 @@ are only read; checkpoints keep the live weights as Lightning saves them.
   ``state_dict`` does (``generator.net.0.weight``), and a snapshot of a submodule says which (``module``), so the
   command takes the module's other weights from the run's checkpoint.
 * Snapshots go to ``snapshot_dir``, by default ``power_ema/`` in the ``ModelCheckpoint``'s directory (the
-  trainer's ``default_root_dir`` without one), written by global rank 0 only, atomically.
+  trainer's ``default_root_dir`` without one), written by global rank 0 only (every rank its own files, for a
+  sharded model), atomically.
 * Checkpoints hold the ``PowerEMA`` state (callback state, tensors and numbers only: loads with
   ``weights_only=True``); ``fit(ckpt_path=...)`` restores it, so a resumed run continues the profiles and the
   snapshots bit for bit.
+* Sharded (FSDP2, Lightning's ``ModelParallelStrategy``): each rank keeps the profiles of its own shards (see
+  ``copy_correct.power_ema``), updated with no collective, and every rank writes its own snapshot files
+  (``power-ema-STEP-rankRofW.pt``; ``python -m scripts.posthoc_ema`` combines each rank's into its shards and joins
+  them). Checkpoints hold the profiles as Lightning holds the weights: in a distributed checkpoint (a directory, the
+  default) each rank writes its shards beside the weights' (the callback state names each tensor's key there and its
+  layout) and reads them back on resume; with ``save_distributed_checkpoint=False`` (one file) the profiles are
+  gathered into full tensors, of which each rank takes its own part back on resume. A checkpoint spread otherwise
+  than the model (another world size or placement) is refused, naming both (``CheckpointMismatch``, a
+  ``ValueError``): the snapshot files of one run are of one spread. ``skip_nonfinite`` is refused there, as
+  ``PowerEMA`` refuses it.
 * ``skip_nonfinite=True``: an update whose live weights or floating buffers hold a NaN or an Inf is skipped on the
   device, leaving every profile as it was (``copy_correct.power_ema`` says what the profiles then are); the count is
   logged as ``posthoc_ema/skipped`` at the end of each training epoch, read from the device once per epoch.
-* Sharded models (``ModelParallelStrategy``) are refused when ``fit`` starts: use ``PowerEMA`` directly there.
 """
 
 from __future__ import annotations
@@ -32,6 +42,9 @@ import lightning.pytorch as pl
 import torch
 
 from copy_correct._atomic_save import atomic_save
+from copy_correct._sharding import is_sharded, layout
+from copy_correct.errors import CheckpointMismatch
+from copy_correct.lightning._distributed_state import read_into, store_under_keys
 from copy_correct.power_ema import PowerEMA, snapshot_name
 
 __all__ = ["PostHocEMACallback"]
@@ -67,6 +80,7 @@ class PostHocEMACallback(pl.Callback):
         self.snapshot_dir = Path(snapshot_dir) if snapshot_dir is not None else None
         self.module = module or None
         self._directory: Path | None = None  # where this rank writes snapshots; None: it writes none (rank > 0)
+        self._trainer: pl.Trainer | None = None
         self.power_ema: PowerEMA | None = None
         self._pending: dict[str, Any] | None = None
         self._last_step = 0
@@ -78,25 +92,27 @@ class PostHocEMACallback(pl.Callback):
 
     @property
     def writes(self) -> bool:
-        """Whether this process writes the snapshots (global rank 0, once ``fit`` started)."""
+        """Whether this process writes snapshots (global rank 0; every rank of a sharded model), once ``fit``
+        started."""
         return self._directory is not None
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._trainer = trainer
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_trainer": None}
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.power_ema is not None:
             return
-        directory = self.snapshot_dir or _checkpoint_dir(trainer) / "power_ema"
-        self._directory = directory if trainer.global_rank == 0 else None
         # The callback writes the snapshots itself (on_train_batch_end), named as the LightningModule's state_dict.
-        self.power_ema = PowerEMA(_submodule(pl_module, self.module), **self._kwargs)
-        if self.power_ema.sharded:
-            self.power_ema = None
-            raise ValueError(
-                "PostHocEMACallback does not support sharded (FSDP2) models: use copy_correct.PowerEMA in the "
-                "training loop, each rank snapshotting its shards"
-            )
+        power_ema = PowerEMA(_submodule(pl_module, self.module), **self._kwargs)
+        directory = self.snapshot_dir or _checkpoint_dir(trainer) / "power_ema"
+        self._directory = directory if power_ema.sharded or trainer.global_rank == 0 else None
         if self._pending is not None:
-            self.power_ema.load_state_dict(self._pending)
+            self._load(power_ema, self._pending)
             self._pending = None
+        self.power_ema = power_ema
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step = trainer.global_step  # after Lightning restored a resumed run's counters
@@ -127,12 +143,38 @@ class PostHocEMACallback(pl.Callback):
             prefix = f"{self.module}."
             state["module"] = self.module
             state["profiles"] = [{prefix + name: t for name, t in profile.items()} for profile in state["profiles"]]
-        return atomic_save(state, Path(directory) / snapshot_name(state["step"]))
+            if "layout" in state:
+                state["layout"] = {prefix + name: spread for name, spread in state["layout"].items()}
+        name = snapshot_name(state["step"], state.get("rank"), state.get("world_size"))
+        return atomic_save(state, Path(directory) / name)
+
+    # -- checkpoints ----------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         if self.power_ema is None:
             return {} if self._pending is None else {"power_ema": self._pending}
         return {"power_ema": self.power_ema.state_dict()}
+
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        """A sharded model's profiles go where Lightning puts the sharded weights: their shards into the distributed
+        checkpoint, each under a key the callback state names; or, for one file of full weights, gathered."""
+        state = checkpoint.get("callbacks", {}).get(self.state_key, {}).get("power_ema")
+        if self.power_ema is None or state is None or not self.power_ema.sharded:
+            return
+        profiles = self.power_ema.profiles
+        state["layout"] = {name: layout(t) for name, t in profiles[0].items()}
+        weights = checkpoint["state_dict"]
+        if any(is_sharded(t) for t in weights.values()):  # a distributed checkpoint: every rank writes its shards
+            # Buffers, whole on every rank and not synchronised by FSDP2, stay in the callback state: rank 0's.
+            state["profiles"] = [
+                profile | store_under_keys(weights, {n: t for n, t in profile.items() if is_sharded(t)},
+                                           f"{self.state_key}/power_ema/profile{k}")
+                for k, profile in enumerate(profiles)
+            ]  # fmt: skip
+        else:  # one file, written by rank 0 (the others' weights are empty here): every rank joins the gathers
+            state["profiles"] = [_full(profile) for profile in profiles]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "power_ema" not in state_dict:
@@ -140,7 +182,36 @@ class PostHocEMACallback(pl.Callback):
         if self.power_ema is None:
             self._pending = state_dict["power_ema"]
         else:
-            self.power_ema.load_state_dict(state_dict["power_ema"])
+            self._load(self.power_ema, state_dict["power_ema"])
+
+    def _load(self, power_ema: PowerEMA, state: dict[str, Any]) -> None:
+        """Restore ``state``: from the distributed checkpoint being read when it names keys there, after checking
+        that it is spread as the model is (``torch.distributed.checkpoint`` would reshard silently)."""
+        try:
+            spread = state.get("layout")
+            if spread is not None:
+                now = {name: layout(t) for name, t in power_ema.profiles[0].items()}
+                differ = sorted(name for name in now if spread.get(name, now[name]) != now[name])
+                if differ:
+                    raise ValueError(
+                        f"the PowerEMA state for {differ[0]!r} is {spread[differ[0]]}, the model's is "
+                        f"{now[differ[0]]}: a run's profiles and snapshot files are of one spread"
+                    )
+            if any(isinstance(v, str) for saved in state["profiles"] for v in saved.values()):
+                path = self._trainer.ckpt_path if self._trainer is not None else None
+                read = [
+                    {name: torch.empty_like(profile[name]) if name in profile else None for name, v in saved.items()
+                     if isinstance(v, str)}
+                    for profile, saved in zip(power_ema.profiles, state["profiles"], strict=False)
+                ]  # fmt: skip
+                profiles = [saved | holders for saved, holders in zip(state["profiles"], read, strict=False)]
+                power_ema.check_state({**state, "profiles": profiles})  # before reading: names and spreads agree
+                for holders, saved in zip(read, state["profiles"], strict=True):
+                    read_into(holders, {name: saved[name] for name in holders}, path)
+                state = {**state, "profiles": profiles}
+            power_ema.load_state_dict(state)
+        except ValueError as err:
+            raise CheckpointMismatch(str(err)) from err
 
 
 def _submodule(pl_module: pl.LightningModule, module: str | None) -> torch.nn.Module:
@@ -154,6 +225,15 @@ def _submodule(pl_module: pl.LightningModule, module: str | None) -> torch.nn.Mo
             f"PostHocEMACallback module={module!r}: {type(pl_module).__name__} has no such submodule "
             f"(its children: {children})"
         ) from None
+
+
+def _full(profile: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A profile as full CPU tensors (each sharded one gathered: every rank calls this); ties kept."""
+    made: dict[int, torch.Tensor] = {}
+    for t in profile.values():
+        if id(t) not in made:
+            made[id(t)] = t.full_tensor().cpu() if is_sharded(t) else t.detach().cpu().clone()
+    return {name: made[id(t)] for name, t in profile.items()}
 
 
 def _checkpoint_dir(trainer: pl.Trainer) -> Path:

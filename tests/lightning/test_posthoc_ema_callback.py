@@ -196,3 +196,39 @@ def test_under_ddp_rank_zero_alone_writes_the_snapshots(tmp_path: Path) -> None:
     assert written == ["power-ema-000000002.pt"]  # one file per snapshot step, no rank's second copy, no temporary
     snapshot = load_snapshot(tmp_path / "checkpoints" / "power_ema" / written[0])
     assert snapshot["step"] == 2 and snapshot["profiles"][0].keys() == ranks[0]["profiles"][0].keys()
+
+
+def test_a_state_spread_otherwise_than_the_model_is_refused_naming_both() -> None:
+    """A run's snapshot files are of one spread, so a checkpoint of another world size or placement is refused; the
+    control: the same state with the model's own layout loads."""
+    from copy_correct.errors import CheckpointMismatch
+
+    callback = PostHocEMACallback()
+    callback.power_ema = PowerEMA(Regressor().net)
+    state = callback.power_ema.state_dict()
+    names = list(state["profiles"][0])
+    with pytest.raises(
+        CheckpointMismatch, match=r"is Shard\(dim=0\) over a mesh of 4 ranks, the model's is not sharded"
+    ):
+        callback.load_state_dict(
+            {"power_ema": {**state, "layout": dict.fromkeys(names, "Shard(dim=0) over a mesh of 4 ranks")}}
+        )
+    callback.load_state_dict({"power_ema": {**state, "layout": dict.fromkeys(names, "not sharded")}})
+
+
+def test_the_command_refuses_rank_files_of_several_world_sizes_or_a_rank_that_missed_a_step(tmp_path: Path) -> None:
+    from scripts.posthoc_ema import rank_paths
+
+    for name in (
+        "power-ema-000000002-rank0of2.pt",
+        "power-ema-000000002-rank1of2.pt",
+        "power-ema-000000004-rank0of2.pt",
+    ):
+        (tmp_path / name).touch()
+    with pytest.raises(ValueError, match=r"rank 1 of 2 has snapshots of 1 steps .* rank 0 of 2"):
+        rank_paths(tmp_path)
+    (tmp_path / "power-ema-000000004-rank1of2.pt").touch()
+    assert [[p.name[10:19] for p in paths] for paths in rank_paths(tmp_path) or []] == [["000000002", "000000004"]] * 2
+    (tmp_path / "power-ema-000000006-rank0of4.pt").touch()
+    with pytest.raises(ValueError, match=r"2 world sizes \[2, 4\]"):
+        rank_paths(tmp_path)

@@ -1,0 +1,129 @@
+"""``PostHocEMACallback`` under Lightning's ``ModelParallelStrategy`` (FSDP2), 2 CPU processes over gloo
+(``tests/workers/sharded_posthoc_ema.py``): every rank snapshots its own shards; joined, the snapshots equal the power
+EMA of the gathered weights bit for bit; checkpoints (a distributed checkpoint's directory, or one file) resume the
+profiles bit for bit; ``python -m scripts.posthoc_ema`` writes a checkpoint of full weights from the ranks' files.
+Controls: a resume that ignores the callback state ends with other profiles; one rank's files alone are not the
+model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from copy_correct import PowerEMA, synthesize
+from copy_correct.posthoc_ema import load_snapshot, snapshot_paths
+from scripts.posthoc_ema import join_shards
+from tests.conftest import ROOT, child_env, run_rank_script
+
+STEPS = 16  # 4 epochs of 4 optimizer steps
+SHARDED = ("0.weight", "0.bias", "1.weight", "1.bias", "3.weight", "3.bias")  # the profiles' names in "net"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict], dict]:
+    out = tmp_path_factory.mktemp("sharded_posthoc")
+    ranks = run_rank_script("sharded_posthoc_ema.py", out, timeout=600)
+    return out, ranks, torch.load(out / "truth.pt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def reference(runs: tuple[Path, list[dict], dict]) -> dict[int, dict]:
+    """An unsharded ``PowerEMA`` of the same network fed the gathered weights after each step: its snapshots."""
+    _, _, truth = runs
+    net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+    ema = PowerEMA(net)
+    snapshots = {}
+    for step in range(1, STEPS + 1):
+        net.load_state_dict({k.removeprefix("net."): v for k, v in truth[step].items()})
+        ema.update()
+        if step % 2 == 0:
+            state = ema.snapshot()
+            state["profiles"] = [{f"net.{k}": v for k, v in p.items()} for p in state["profiles"]]
+            snapshots[step] = state
+    return snapshots
+
+
+def rank_files(directory: Path) -> list[list[Path]]:
+    return [snapshot_paths(directory / "power_ema", rank=r) for r in range(2)]
+
+
+def test_every_rank_writes_its_own_shards_at_every_snapshot(runs: tuple[Path, list[dict], dict]) -> None:
+    out, _, _ = runs
+    for rank, paths in enumerate(rank_files(out / "straight-dcp")):
+        assert [p.name for p in paths] == [f"power-ema-{s:09d}-rank{rank}of2.pt" for s in range(2, STEPS + 1, 2)]
+        state = load_snapshot(paths[-1])
+        assert (state["rank"], state["world_size"], state["module"]) == (rank, 2, "net")
+        assert state["layout"]["net.0.weight"] == "Shard(dim=0) over a mesh of 2 ranks"
+        assert state["layout"]["net.1.running_mean"] == "not sharded"
+        assert tuple(state["profiles"][0]["net.0.weight"].shape) == (8, 8)  # half of (16, 8)
+        assert tuple(state["profiles"][0]["net.3.weight"].shape) == ((1, 16) if rank == 0 else (0, 16))  # uneven
+
+
+def test_the_ranks_snapshots_joined_are_the_power_ema_of_the_gathered_weights(
+    runs: tuple[Path, list[dict], dict], reference: dict[int, dict]
+) -> None:
+    out, _, _ = runs
+    files = rank_files(out / "straight-dcp")
+    for i, step in enumerate(range(2, STEPS + 1, 2)):
+        states = [load_snapshot(paths[i]) for paths in files]
+        assert {int(s["step"]) for s in states} == {step}
+        for k in range(2):
+            joined = join_shards([s["profiles"][k] for s in states], states[0]["layout"])
+            expected = reference[step]["profiles"][k]
+            assert joined.keys() == expected.keys()
+            assert all(torch.equal(joined[n], expected[n]) for n in expected), step  # rank 0's buffers
+    # The control: rank 0's files alone hold half of each sharded tensor.
+    alone = load_snapshot(files[0][-1])["profiles"][0]["net.0.weight"]
+    assert alone.shape != reference[STEPS]["profiles"][0]["net.0.weight"].shape
+
+
+@pytest.mark.parametrize("kind", ["dcp", "file"])
+def test_a_resumed_run_continues_the_profiles_and_snapshots_bit_for_bit(
+    runs: tuple[Path, list[dict], dict], kind: str
+) -> None:
+    out, ranks, _ = runs
+    for rank in ranks:
+        straight, resumed = rank[f"straight-{kind}"], rank[f"resumed-{kind}"]
+        assert resumed["step"] == straight["step"] == STEPS
+        for a, b in zip(resumed["profiles"], straight["profiles"], strict=True):
+            assert all(torch.equal(a[n], b[n]) for n in SHARDED)
+    for straight, resumed in zip(
+        rank_files(out / f"straight-{kind}"), rank_files(out / f"resumed-{kind}"), strict=True
+    ):
+        assert [p.name for p in resumed] == [p.name for p in straight][4:]  # written after the resume at step 8
+        for a, b in zip(resumed, straight[4:], strict=True):
+            sa, sb = load_snapshot(a), load_snapshot(b)
+            for k in range(2):
+                assert all(torch.equal(sa["profiles"][k][f"net.{n}"], sb["profiles"][k][f"net.{n}"]) for n in SHARDED)
+    # The control: the same resume with fresh profiles ends elsewhere.
+    for rank in ranks:
+        control, straight = rank["control"]["profiles"][0], rank["straight-dcp"]["profiles"][0]
+        assert not torch.equal(control["0.weight"], straight["0.weight"])
+
+
+@pytest.mark.parametrize("kind", ["dcp", "file"])
+def test_the_command_writes_one_checkpoint_of_full_weights_from_the_ranks_files(
+    runs: tuple[Path, list[dict], dict], reference: dict[int, dict], kind: str
+) -> None:
+    out, _, _ = runs
+    result = subprocess.run(
+        [sys.executable, "-m", "scripts.posthoc_ema", str(out / f"straight-{kind}"), "--sigma-rel", "0.08"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env(),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    path = Path(result.stdout.strip())
+    assert path.name == f"posthoc-ema-sigma0.080-step{STEPS:09d}.ckpt" and path.is_file()
+    checkpoint = torch.load(path, weights_only=False)
+    expected = synthesize(list(reference.values()), 0.08)
+    if kind == "dcp":  # the same training: its profiles are the reference's
+        assert checkpoint["state_dict"].keys() == expected.keys()
+        assert all(torch.equal(checkpoint["state_dict"][n], expected[n]) for n in expected)
+    else:  # the file run trains the same; its weights equal the dcp run's
+        dcp = torch.load(out / "straight-dcp" / path.name, weights_only=False)
+        assert all(torch.equal(checkpoint["state_dict"][n], dcp["state_dict"][n]) for n in expected)
+    assert checkpoint["posthoc_ema"]["module"] == "net" and checkpoint["global_step"] == STEPS

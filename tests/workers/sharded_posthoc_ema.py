@@ -1,0 +1,97 @@
+"""Run by tests/distributed/test_sharded_posthoc_callback.py: 2 gloo processes train an FSDP2-sharded Regressor with
+``PostHocEMACallback(module="net")`` under Lightning's ``ModelParallelStrategy``, several times in the same
+processes, and save what the tests compare.
+
+Runs (4 optimizer steps an epoch, a snapshot every 2 steps, a ``ModelCheckpoint`` at every epoch's end):
+
+* ``straight-dcp`` / ``straight-file``: 4 epochs, distributed checkpoints (directories) / single files;
+* ``resumed-dcp`` / ``resumed-file``: to 4 epochs from the straight run's checkpoint after epoch 2;
+* ``control``: the dcp resume with a callback that ignores its state (fresh profiles).
+
+Each rank saves, per run, its profiles' shards (``to_local()``) and its step; rank 0 also saves the straight-dcp run's
+live weights after every optimizer step, gathered (every rank joins), with rank 0's buffers: what the profiles average.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from copy_correct._sharding import local
+from copy_correct.lightning import PostHocEMACallback
+from tests.lightning.test_ema_callback import loader
+from tests.workers.sharded_callback import ShardedRegressor, full
+
+KWARGS: dict[str, Any] = {"snapshot_every": 2, "module": "net"}
+
+
+class WithoutState(PostHocEMACallback):
+    """Resumes with fresh profiles: finds its state under ``PostHocEMACallback``'s key, and ignores it."""
+
+    @property
+    def state_key(self) -> str:
+        return super().state_key.replace(type(self).__qualname__, "PostHocEMACallback")
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        pass
+
+
+class Truth(pl.Callback):
+    """The live weights after each optimizer step, gathered (every rank joins, rank 0 keeps)."""
+
+    def __init__(self) -> None:
+        self.at: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.at[trainer.global_step] = {k: full(v) for k, v in pl_module.state_dict().items()}
+
+
+def fit(directory: Path, distributed: bool, ckpt_path: Path | None = None, callback: type = PostHocEMACallback):
+    pl.seed_everything(0)
+    posthoc, truth = callback(**KWARGS), Truth()
+    strategy = ModelParallelStrategy(
+        data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=distributed
+    )
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_epochs=4, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=directory, callbacks=[
+            posthoc, truth, ModelCheckpoint(directory, filename="{epoch}", save_top_k=-1),
+        ],
+    )  # fmt: skip
+    trainer.fit(ShardedRegressor(), loader(), ckpt_path=ckpt_path)
+    assert posthoc.power_ema is not None and posthoc.power_ema.sharded and posthoc.writes
+    with torch.no_grad():
+        profiles = [{k: local(v).clone() for k, v in profile.items()} for profile in posthoc.power_ema.profiles]
+    return {"profiles": profiles, "step": posthoc.power_ema.step}, truth.at
+
+
+def main(rank: int, out: Path) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["TEST_PORT"], WORLD_SIZE="2", NODE_RANK="0",
+        LOCAL_RANK=str(rank), RANK=str(rank),
+    )  # fmt: skip  # processes made here, not by Lightning: every Trainer below joins them
+    torch.set_num_threads(1)
+    results: dict[str, Any] = {}
+    for kind, distributed in (("dcp", True), ("file", False)):
+        results[f"straight-{kind}"], truth = fit(out / f"straight-{kind}", distributed)
+        if kind == "dcp" and rank == 0:
+            torch.save(truth, out / "truth.pt")
+        second = out / f"straight-{kind}" / "epoch=1.ckpt"
+        results[f"resumed-{kind}"], _ = fit(out / f"resumed-{kind}", distributed, ckpt_path=second)
+    results["control"], _ = fit(out / "control", True, out / "straight-dcp" / "epoch=1.ckpt", WithoutState)
+    torch.save(results, out / f"rank{rank}.pt")
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    torch.multiprocessing.spawn(main, args=(Path(sys.argv[1]),), nprocs=2)
