@@ -24,6 +24,9 @@ Copy contract:
   needs (``step``, ``sigma_rels``, ``gammas``); ``save_snapshot(directory)`` writes it to
   ``power-ema-STEP.pt`` atomically (``copy_correct._atomic_save``: a crash leaves no partial file under that name).
   ``snapshot_every`` does so from ``update()`` on a schedule: the only place where the update waits for a device.
+* ``pickle`` and ``copy.deepcopy`` copy the settings, the counters and the profiles (new storage, ties kept), never
+  the model: a copy tracks no model until ``track(model)`` or ``update(model)`` gives it one, whose names, shapes and
+  ties must be the profiles'; the profiles keep their dtypes and devices. A sharded PowerEMA refuses to be copied.
 * ``state_dict()`` holds the counters and the profiles' own tensors (aliased, like ``Module.state_dict``: save it
   before the next update); ``load_state_dict`` copies into them in place, so a resumed run continues the profiles and
   the snapshot schedule bit for bit. Both load with ``weights_only=True``.
@@ -83,6 +86,24 @@ __all__ = ["SNAPSHOT_FORMAT", "PowerEMA", "snapshot_name"]
 
 SNAPSHOT_FORMAT = "copy_correct.power_ema.snapshot/1"
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _check_match(entries: list[tuple[str, torch.Tensor, Any]], profile: Mapping[str, torch.Tensor]) -> None:
+    """``ValueError`` unless a model's ``state_entries`` and a profile have the same names, shapes and ties."""
+    names = [name for name, _, _ in entries]
+    if set(names) != set(profile):
+        missing, unexpected = sorted(set(names) - set(profile)), sorted(set(profile) - set(names))
+        raise ValueError(f"the model is not the profiles': missing {missing[:5]}, unexpected {unexpected[:5]}")
+    live_ties, profile_ties = {}, {}
+    for name, live, _ in entries:
+        if profile[name].shape != live.shape:
+            raise ValueError(
+                f"{name!r} is {tuple(live.shape)} in the model, {tuple(profile[name].shape)} in the profiles"
+            )
+        live_ties.setdefault(id(live), name)
+        profile_ties.setdefault(id(profile[name]), name)
+        if live_ties[id(live)] != profile_ties[id(profile[name])]:
+            raise ValueError(f"{name!r} is tied to other tensors in the model than in the profiles")
 
 
 def snapshot_name(step: int, rank: int | None = None, world_size: int | None = None) -> str:
@@ -159,7 +180,9 @@ class PowerEMA:
         self.step = 0  # optimizer steps seen (update() calls)
         self.updated_step = 0  # the step of the last averaging update: the profiles hold weights of steps 1..this
         self.skip_nonfinite = skip_nonfinite
-        self._model = unwrap(model)
+        self.include_buffers = include_buffers
+        self.profile_dtype = profile_dtype
+        self._model: nn.Module | None = unwrap(model)
         self.sharded = any(is_sharded(p) for p in self._model.parameters())
         if self.sharded and skip_nonfinite:
             raise ValueError(
@@ -167,7 +190,7 @@ class PowerEMA:
                 "the ranks could decide differently and leave the profiles half updated"
             )
         self.profiles: list[dict[str, torch.Tensor]] = [{} for _ in sigma_rels]
-        self._groups = self._build(include_buffers, profile_dtype)
+        self._groups = self._build()
         self._guard: ProfilesGuard | None = None
         if skip_nonfinite:
             home = self._groups[0].profiles[0][0].device if self._groups else torch.device("cpu")
@@ -182,37 +205,94 @@ class PowerEMA:
                     "be skipped (a floating buffer filled with -inf, say an attention mask: store it as bool, or "
                     "leave it out of the state_dict with persistent=False)"
                 )
+            self._arm()
+
+    def _arm(self) -> None:
+        """Under ``skip_nonfinite``, the guard's scratch for the groups (built with them; the counters are kept)."""
+        if self.skip_nonfinite:
             groups = [(group.profiles, group.average) for group in self._groups]
             self._guard = ProfilesGuard(groups, self.gammas, self._skipped, self._applied_step)
 
-    def _build(self, include_buffers: bool, profile_dtype: torch.dtype | None) -> list[_Group]:
+    def _build(self, existing: list[dict[str, torch.Tensor]] | None = None) -> list[_Group]:
+        """The groups of the tracked model's tensors, each with its profiles' tensors: new copies of the live ones,
+        or ``existing`` profiles (a copy's, given a model by ``track``), which keep their tensors, dtypes and devices
+        (a group whose profiles' dtype or device differs from the model's stages the live values)."""
+        assert self._model is not None
+        entries = list(state_entries(self._model, self.include_buffers))
+        if existing is not None:
+            _check_match(entries, existing[0])
         groups: dict[tuple, _Group] = {}
         first_name: dict[int, str] = {}
         with torch.no_grad():
-            for name, live, owner in state_entries(self._model, include_buffers):
+            for name, live, owner in entries:
                 if id(live) in first_name:  # tied weights share one tensor per profile
                     for profile in self.profiles:
                         profile[name] = profile[first_name[id(live)]]
                     continue
                 first_name[id(live)] = name
                 average = live.is_floating_point()
-                dtype = live.dtype
-                if average and profile_dtype is not None:
-                    dtype = profile_dtype
+                dtype, device = live.dtype, live.device
+                if existing is not None:
+                    dtype, device = existing[0][name].dtype, existing[0][name].device
+                elif average and self.profile_dtype is not None:
+                    dtype = self.profile_dtype
                 elif average and live.dtype in _LOW_PRECISION:
                     dtype = torch.float32
-                key = (live.device, live.dtype, dtype, average)
+                key = (live.device, live.dtype, device, dtype, average)
                 if key not in groups:
                     groups[key] = _Group(average, live.device, live.dtype, profiles=[[] for _ in self.profiles])
                 group = groups[key]
                 group.live.append(live, owner)
-                for profile, tensors in zip(self.profiles, group.profiles, strict=True):
-                    shard = local(live).to(dtype=dtype, copy=True)  # this rank's shard when sharded
+                for k, (profile, tensors) in enumerate(zip(self.profiles, group.profiles, strict=True)):
+                    # a copy's own tensor, or a new copy of the live one (this rank's shard when sharded)
+                    shard = existing[k][name] if existing is not None else local(live).to(dtype=dtype, copy=True)
                     profile[name] = from_local(shard, live) if is_sharded(live) else shard
                     tensors.append(shard)
-                if dtype != live.dtype and not self.skip_nonfinite:  # the guard stages every group itself
-                    group.staging.append(torch.empty_like(local(live), dtype=dtype))
+                if (dtype, device) != (live.dtype, live.device) and not self.skip_nonfinite:  # the guard stages itself
+                    group.staging.append(torch.empty(local(live).shape, dtype=dtype, device=device))
         return list(groups.values())
+
+    # -- copies ---------------------------------------------------------------------------------------------
+
+    @property
+    def model(self) -> nn.Module | None:
+        """The module whose weights are averaged (unwrapped); ``None`` in a copy until it is given one."""
+        return self._model
+
+    def track(self, model: nn.Module) -> None:
+        """Give a copy (``pickle``, ``copy.deepcopy``) the model to average from now on; the model it tracks already
+        is accepted too, any other refused (``ValueError``). The model's ``state_dict`` names, shapes and ties must be
+        the profiles'; the profiles keep their own tensors, dtypes and devices. ``update(model)`` calls it for a
+        copy."""
+        if self._model is not None:
+            if unwrap(model) is not self._model:
+                raise ValueError("PowerEMA.track: this PowerEMA already tracks another model")
+            return
+        tracked = unwrap(model)
+        if any(is_sharded(p) for p in tracked.parameters()):
+            raise ValueError(
+                "a copy of a PowerEMA cannot track a sharded (FSDP2) model: build PowerEMA(model) on the sharded model "
+                "and load_state_dict the copy's state_dict() into it"
+            )
+        self._model = tracked
+        existing = [dict(profile) for profile in self.profiles]
+        try:
+            self._groups = self._build(existing)
+        except ValueError:
+            self._model, self.profiles = None, existing
+            raise
+        self._arm()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What ``pickle`` and ``copy.deepcopy`` copy: the settings, the counters and the profiles (new storage in the
+        copy, tied tensors still one), not the model nor anything that refers to it: the copy tracks no model until it
+        is given one (``track``, or ``update(model)``)."""
+        if self.sharded:
+            raise TypeError(
+                "a PowerEMA of a sharded (FSDP2) model cannot be pickled or copied: save its state_dict() with "
+                "torch.distributed.checkpoint and load it into PowerEMA(model) of the sharded model"
+            )
+        return {**self.__dict__, "_model": None, "_groups": [], "_guard": None}
 
     def betas(self, step: int, previous: int) -> list[float]:
         """Each profile's ``beta`` for an update at optimizer step ``step`` whose previous update was at ``previous``
@@ -223,7 +303,14 @@ class PowerEMA:
         """Count one optimizer step; average the model into every profile on every ``update_every``-th, and save a
         snapshot on every ``snapshot_every``-th. In place, under ``no_grad``, no allocation, no host synchronisation
         (scheduled snapshots aside). ``model``, when given, must be the tracked one (wrapped or not)."""
-        if model is not None and unwrap(model) is not self._model:
+        if self._model is None:
+            if model is None:
+                raise ValueError(
+                    "this PowerEMA is a copy (pickle or copy.deepcopy) and tracks no model yet: pass the model, as in "
+                    "update(model), or call track(model) first"
+                )
+            self.track(model)
+        elif model is not None and unwrap(model) is not self._model:
             raise ValueError("PowerEMA.update: this is not the model the PowerEMA was built for")
         self.step += 1
         if self.step % self.update_every:

@@ -104,6 +104,8 @@ class PostHocEMACallback(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.power_ema is not None:
+            if self.power_ema.model is None:  # a copy (pickle, copy.deepcopy) of a callback: it gets the module
+                self.power_ema.track(_submodule(pl_module, self.module))
             return
         # The callback writes the snapshots itself (on_train_batch_end), named as the LightningModule's state_dict.
         power_ema = PowerEMA(_submodule(pl_module, self.module), **self._kwargs)
