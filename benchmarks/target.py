@@ -15,6 +15,9 @@ value_network_update_interval=0).step()`` (an interval of 0 copies on every call
 DQN example, PyTorch's DQN tutorial); a bare ``_foreach_copy_`` per dtype over prebuilt lists (the same calls
 as ours, without our bookkeeping), and one ``_foreach_copy_`` over a list that mixes dtypes.
 
+Both with ``skip_nonfinite=True`` too: the update skipped on the device when an online value is NaN or Inf (its
+``time / ours`` is the guard's cost).
+
 Soft (Polyak, tau = 0.005): ``copy_correct.soft_update``; SB3's ``polyak_update(params, target_params, tau)`` and
 the running statistics copied with ``tau=1.0``, as SB3's ``DQN`` does; TorchRL's ``SoftUpdate(loss, tau=tau)
 .step()``; CleanRL's ``dqn.py`` line ``t.data.copy_(tau * q.data + (1 - tau) * t.data)`` (CleanRL is
@@ -162,8 +165,14 @@ def contenders(online: nn.Module) -> tuple[Contenders, Contenders, dict[str, str
             if t_int:
                 torch._foreach_copy_(t_int, q_int)
 
-    hard: dict[str, Callable[[], object]] = {"copy_correct.hard_update": lambda: hard_update(target, online)}
-    soft: dict[str, Callable[[], object]] = {"copy_correct.soft_update": lambda: soft_update(target, online, TAU)}
+    hard: dict[str, Callable[[], object]] = {
+        "copy_correct.hard_update": lambda: hard_update(target, online),
+        "copy_correct.hard_update, skip_nonfinite=True": lambda: hard_update(target, online, skip_nonfinite=True),
+    }
+    soft: dict[str, Callable[[], object]] = {
+        "copy_correct.soft_update": lambda: soft_update(target, online, TAU),
+        "copy_correct.soft_update, skip_nonfinite=True": lambda: soft_update(target, online, TAU, skip_nonfinite=True),
+    }
     not_run: dict[str, str] = {}
     sb3 = load("stable_baselines3.common.utils", "stable-baselines3")
     sb3_hard, sb3_soft = (

@@ -10,6 +10,7 @@ Tensor parts:
     make_target          a frozen copy of a network (own storage, no grad, eval mode)
     hard_update          target <- online, in place, bit for bit, one foreach call per group
     soft_update          target <- (1 - tau) target + tau online, in place
+    skipped_updates      how many ``skip_nonfinite`` target updates were skipped (a NaN or an Inf online)
     ReplayBuffer         preallocated transitions written in place, sampled as independent tensors
     FrameReplayBuffer    frame-stacked transitions, each frame stored once per env stream; stacks rebuilt at sample
     GradientAverager     a parameter list's gradients averaged over processes, one collective per dtype
@@ -37,7 +38,7 @@ from copy_correct.power_ema import PowerEMA
 from copy_correct.power_function import gamma_to_sigma_rel, sigma_rel_to_gamma, solve_coefficients
 from copy_correct.prefetch import DevicePrefetcher, map_tensors
 from copy_correct.replay import ReplayBuffer
-from copy_correct.target import hard_update, make_target, soft_update
+from copy_correct.target import hard_update, make_target, skipped_updates, soft_update
 
 __all__ = [
     "EMA",
@@ -55,6 +56,7 @@ __all__ = [
     "make_target",
     "map_tensors",
     "sigma_rel_to_gamma",
+    "skipped_updates",
     "soft_update",
     "solve_coefficients",
     "synthesize",

@@ -13,6 +13,13 @@ Copy contract:
   refuses a backward through a target tensor saved before the update; ``copy_correct._foreach_writes``),
   nothing is read back to the host. ``hard_update`` is bit-exact, NaN and Inf included. Buffers come along: BatchNorm
   statistics are copied (hard) or averaged (soft), integer buffers copied.
+* ``skip_nonfinite=True`` (``hard_update``, ``soft_update``; off by default): an update whose online parameters or
+  floating buffers hold any NaN or Inf leaves the target bit for bit as it was (``-0.0`` entries and integer buffers
+  included), decided on the device as ``EMA(skip_nonfinite=True)`` decides (``copy_correct._nonfinite``): no value
+  read back, nothing allocated per update after the first, which allocates the guard's scratch once per target (a
+  flat staging copy of the online values, kept with the pair's lists, as weakly tied to the target). A clean guarded
+  update is the plain one, bit for bit. ``skipped_updates(target)`` reads how many were skipped (a sync, the
+  reader's). Not for sharded networks: each rank would decide on its own shards.
 * ``load_state_dict`` in the loop does the same copy with a ``state_dict()`` walk, a dict of aliases and
   a Python loop per call; ``target.data.copy_(tau * q + (1 - tau) * t)`` allocates three temporaries per
   tensor and bypasses autograd's version checks through ``.data``.
@@ -44,6 +51,7 @@ freeze it; ``make_target(online)`` on a sharded module raises and says so.
 from __future__ import annotations
 
 import copy
+import operator
 import weakref
 from dataclasses import dataclass, field
 
@@ -52,9 +60,10 @@ from torch import nn
 
 from copy_correct._foreach_writes import foreach_copy_, foreach_lerp_
 from copy_correct._module_tensors import TensorRefs, state_entries, unwrap
+from copy_correct._nonfinite import NonFiniteGuard
 from copy_correct._sharding import fsdp_modules, is_sharded, layout, reshard
 
-__all__ = ["hard_update", "make_target", "soft_update"]
+__all__ = ["hard_update", "make_target", "skipped_updates", "soft_update"]
 
 
 def make_target(online: nn.Module, into: nn.Module | None = None) -> nn.Module:
@@ -85,27 +94,43 @@ def make_target(online: nn.Module, into: nn.Module | None = None) -> nn.Module:
     return target.eval()
 
 
-def hard_update(target: nn.Module, online: nn.Module) -> None:
-    """Copy every parameter and buffer of ``online`` into ``target``, in place and bit for bit."""
-    _update(target, online, 1.0)
+def hard_update(target: nn.Module, online: nn.Module, *, skip_nonfinite: bool = False) -> None:
+    """Copy every parameter and buffer of ``online`` into ``target``, in place and bit for bit; with
+    ``skip_nonfinite``, not at all when an online floating value is NaN or Inf (decided on the device)."""
+    _update(target, online, 1.0, skip_nonfinite)
 
 
-def soft_update(target: nn.Module, online: nn.Module, tau: float) -> None:
-    """``target = (1 - tau) * target + tau * online`` for floating tensors, in place; integer buffers copied.
+def soft_update(target: nn.Module, online: nn.Module, tau: float, *, skip_nonfinite: bool = False) -> None:
+    """``target = (1 - tau) * target + tau * online`` for floating tensors, in place; integer buffers copied. With
+    ``skip_nonfinite``, not at all when an online floating value is NaN or Inf (decided on the device).
 
     ``tau`` must be in (0, 1]; ``tau == 1`` is a hard update.
     """
     if not 0.0 < tau <= 1.0:
         raise ValueError(f"tau must be in (0, 1], got {tau}")
-    _update(target, online, tau)
+    _update(target, online, tau, skip_nonfinite)
 
 
-def _update(target: nn.Module, online: nn.Module, tau: float) -> None:
-    """One foreach call per group: ``lerp_`` by ``tau`` for floating groups when ``tau < 1``, else ``copy_``."""
+def skipped_updates(target: nn.Module) -> int:
+    """How many ``skip_nonfinite`` updates of ``target`` were skipped (0 if none was guarded): a read of a device
+    counter, so a sync on a GPU; read it when you log, not every step."""
+    guarded = _GUARDS.get(unwrap(target))
+    return 0 if guarded is None else int(guarded[2].skipped.item())
+
+
+def _update(target: nn.Module, online: nn.Module, tau: float, skip_nonfinite: bool = False) -> None:
+    """One foreach call per group: ``lerp_`` by ``tau`` for floating groups when ``tau < 1``, else ``copy_``; guarded:
+    the online values staged, checked and averaged (or selected) by the target's ``NonFiniteGuard``."""
     groups = _pairs(target, online)
     grad_was_enabled = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)  # what `with torch.no_grad()` does, at a fraction of a small network's update
     try:
+        if skip_nonfinite:
+            guard = _guard(unwrap(target), groups)
+            for index, group in enumerate(groups):
+                foreach_copy_(guard.staging(index), group.online.resolve())
+            guard.update(copy=tau >= 1.0, decay=1.0 - tau, warmup_power=None)
+            return
         for group in groups:
             if group.average and tau < 1.0:
                 foreach_lerp_(group.target.resolve(), group.online.resolve(), tau)
@@ -113,6 +138,33 @@ def _update(target: nn.Module, online: nn.Module, tau: float) -> None:
                 foreach_copy_(group.target.resolve(), group.online.resolve())
     finally:
         torch._C._set_grad_enabled(grad_was_enabled)
+
+
+# Per target, its guard and the target tensors (and their data pointers) it was built on, rebuilt when they change: new
+# lists for a new online network, buffers replaced or parameters' data swapped by ``model.to(...)`` (the guard writes
+# through views of the storage); the skip count carries over. Tensors only: the target stays weakly held.
+_GUARDS: weakref.WeakKeyDictionary[nn.Module, tuple[list[torch.Tensor], list[int], NonFiniteGuard]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _guard(target: nn.Module, groups: list[_PairGroup]) -> NonFiniteGuard:
+    tensors = [t for group in groups for t in group.target.resolve()]
+    pointers = [t.data_ptr() for t in tensors]
+    guarded = _GUARDS.get(target)
+    if guarded is not None and guarded[1] == pointers and all(map(operator.is_, guarded[0], tensors)):
+        return guarded[2]
+    if any(is_sharded(t) for t in tensors):
+        raise ValueError(
+            "skip_nonfinite=True is not supported for a sharded (FSDP2) target: each rank sees only its shards, so the "
+            "ranks could decide differently and leave the target half updated"
+        )
+    home = tensors[0].device
+    skipped = guarded[2].skipped if guarded is not None else torch.zeros((), dtype=torch.float64, device=home)
+    applied = torch.zeros((), dtype=torch.float64, device=skipped.device)  # no warm-up here: never read
+    guard = NonFiniteGuard([(group.target.resolve(), group.average) for group in groups], skipped, applied)
+    _GUARDS[target] = (tensors, pointers, guard)
+    return guard
 
 
 @dataclass
