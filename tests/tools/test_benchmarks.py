@@ -16,6 +16,7 @@ from benchmarks.report import bandwidth_table, write_section
 from tools.gpu_check.check import (
     MAX_DATA_WAIT,
     MIN_COPY_SHARE,
+    MIN_LIMIT_SHARE,
     MIN_PREFETCH_GAIN,
     copy_share_claims,
     prefetch_claims,
@@ -237,6 +238,16 @@ def test_gpu_check_holds_our_large_model_updates_to_the_claimed_share_of_copy_ba
                                         f"(claim: >= {MIN_COPY_SHARE}%)", True)]  # fmt: skip
     assert not copy_share_claims(slow)[0][1]
     assert copy_share_claims(small) == [("large-model rows of the EMA and target benchmarks: none found", False)]
+    from benchmarks.stream import StreamLimit
+
+    for daxpy, held in ((14.0, True), (16.0, False)):  # ours moves 12 GB/s: 86% of 14, 75% of 16
+        limit = StreamLimit("cuda", 1.0, copy_median=20.0, triad_median=20.0, daxpy_median=daxpy, write_allocate=False)
+        stated = bandwidth_table("**large model (conv net)**: x", 1000, {**times, "copy_correct.soft_update": 0.001},
+                                 {"copy_correct.soft_update": 12, "plain copy": 8}, "copy_correct.soft_update",
+                                 "plain copy", limit=limit)  # fmt: skip
+        claim = copy_share_claims(stated)[1]
+        assert claim == (f"copy_correct.soft_update on large model (conv net): {12 / daxpy:.0%} of DAXPY "
+                         f"(claim: >= {MIN_LIMIT_SHARE}%)", held)  # fmt: skip
 
 
 def test_gpu_check_holds_the_prefetcher_to_its_claimed_gain_and_waiting_share() -> None:
@@ -252,6 +263,7 @@ def test_the_manual_states_the_claims_the_gpu_check_enforces() -> None:
     manual = " ".join((ROOT / "docs" / "guides" / "testing.md").read_text().split())  # lines wrap anywhere
     assert f"at least {MIN_PREFETCH_GAIN}x" in manual and f"at most {MAX_DATA_WAIT:.0%}" in manual
     assert f"at least {MIN_COPY_SHARE}% of a plain copy's bandwidth" in manual
+    assert f"at least {MIN_LIMIT_SHARE}% of the device's limit" in manual
 
 
 @pytest.mark.parametrize(("code", "verdict"), [(0, "**all tests passed**"), (1, "**FAILED: 1 failed, 372 passed")])
