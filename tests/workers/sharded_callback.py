@@ -15,7 +15,6 @@ step, the gathered live weights and average after the step's update (what a chec
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from copy_correct._sharding import is_sharded
 from copy_correct.lightning import EMACallback
 from tests.lightning.test_ema_callback import Regressor, loader
+from tests.workers import join_as_lightning_rank
 from tests.workers.without_state import EMACallbackWithoutState
 
 
@@ -92,10 +92,7 @@ def fit(directory: Path, distributed: bool, epochs: int, ckpt_path: Path | None 
 
 
 def main(rank: int, out: Path) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["TEST_PORT"], WORLD_SIZE="2", NODE_RANK="0",
-        LOCAL_RANK=str(rank), RANK=str(rank),
-    )  # fmt: skip  # processes made here, not by Lightning: every Trainer below joins them
+    join_as_lightning_rank(rank)
     torch.set_num_threads(1)
     results: dict[str, Any] = {}
     truths: dict[str, Any] = {}

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from copy_correct.lightning import AtomicModelParallelStrategy
 from tests.lightning.test_ema_callback import loader
+from tests.workers import join_as_lightning_rank
 from tests.workers.sharded_callback import ShardedRegressor
 
 STRATEGIES = {"ours": AtomicModelParallelStrategy, "lightning": ModelParallelStrategy}
@@ -72,10 +73,7 @@ def kill_at(point: str, rank: int, world: int, out: Path) -> None:
 
 
 def main(rank: int, out: Path, strategy: str, point: str, device: str, world: int) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["TEST_PORT"], WORLD_SIZE=str(world), NODE_RANK="0",
-        LOCAL_RANK=str(rank), RANK=str(rank),
-    )  # fmt: skip
+    join_as_lightning_rank(rank, world)
     torch.set_num_threads(1)
     kill_at(point, rank, world, out)
     pl.seed_everything(0)

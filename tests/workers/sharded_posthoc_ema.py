@@ -14,7 +14,6 @@ live weights after every optimizer step, gathered (every rank joins), with rank 
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from copy_correct._sharding import local
 from copy_correct.lightning import PostHocEMACallback
 from tests.lightning.test_ema_callback import loader
+from tests.workers import join_as_lightning_rank
 from tests.workers.sharded_callback import ShardedRegressor, full
 
 KWARGS: dict[str, Any] = {"snapshot_every": 2, "module": "net"}
@@ -76,10 +76,7 @@ def fit(directory: Path, distributed: bool, ckpt_path: Path | None = None, callb
 
 
 def main(rank: int, out: Path) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["TEST_PORT"], WORLD_SIZE="2", NODE_RANK="0",
-        LOCAL_RANK=str(rank), RANK=str(rank),
-    )  # fmt: skip  # processes made here, not by Lightning: every Trainer below joins them
+    join_as_lightning_rank(rank)
     torch.set_num_threads(1)
     results: dict[str, Any] = {}
     for kind, distributed in (("dcp", True), ("file", False)):
