@@ -73,15 +73,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 
-from copy_correct._flat import flat_views
-from copy_correct._foreach_writes import foreach_copy_
-from copy_correct._module_tensors import TensorRefs, state_entries
 from copy_correct._sharding import is_sharded, local, local_part, reshard
 from copy_correct.ema import EMA
 from copy_correct.errors import CheckpointMismatch
 from copy_correct.lightning._distributed_state import names_keys, read_into, store_under_keys
+from copy_correct.lightning._rank_zero_buffers import RankZeroBuffers
 
 __all__ = ["EMACallback"]
 
@@ -138,7 +135,7 @@ class EMACallback(pl.Callback):
         self._wrapped: list[Any] = []  # the evaluation loops whose run setup wrapped, for teardown
         self._pass: _EMAPass | None = None  # the EMA evaluation in progress
         self._trainer: pl.Trainer | None = None
-        self._broadcast: list[tuple[TensorRefs, torch.Tensor, list[torch.Tensor]]] | None = None
+        self._broadcast = RankZeroBuffers()
 
     @property
     def state_key(self) -> str:
@@ -158,7 +155,7 @@ class EMACallback(pl.Callback):
         """What ``pickle`` and ``copy.deepcopy`` copy: the settings, the step and the EMA (a copy that tracks no model
         until the next ``fit``, ``validate`` or ``test`` gives it the module: ``copy_correct.ema``), not the trainer,
         the wrappers ``setup`` installed in it, nor an evaluation in progress."""
-        return {**self.__dict__, "_trainer": None, "_wrapped": [], "_pass": None, "_broadcast": None}
+        return {**self.__dict__, "_trainer": None, "_wrapped": [], "_pass": None, "_broadcast": RankZeroBuffers()}
 
     # -- wiring the evaluation passes -------------------------------------------------------------------
 
@@ -242,8 +239,8 @@ class EMACallback(pl.Callback):
         if trainer.global_step > self._last_step:  # an optimizer step happened in this batch
             self._last_step = trainer.global_step
             ema = self._ensure_ema(pl_module)
-            if ema.include_buffers:
-                self._buffers_from_rank_zero(trainer, pl_module)
+            if ema.include_buffers:  # the same buffers to average on every rank, as DDP would give them
+                self._broadcast.sync(trainer, pl_module)
             ema.update(pl_module)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -251,21 +248,6 @@ class EMACallback(pl.Callback):
         rank counts the same (the same parameters, rank 0's buffers), so rank 0 logs it."""
         if self.ema is not None and self.ema.skip_nonfinite:
             pl_module.log("ema/skipped", float(self.ema.skipped), on_step=False, on_epoch=True, rank_zero_only=True)
-
-    def _buffers_from_rank_zero(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Under DDP each rank's forward updates its own BatchNorm statistics; DDP copies rank 0's to all
-        ranks only at the next forward. Doing that now gives every rank the same buffers to average, so
-        the shadows stay identical: one broadcast per dtype through a flat tensor, all built once."""
-        if trainer.world_size == 1 or not (dist.is_available() and dist.is_initialized()):
-            return
-        if self._broadcast is None:
-            self._broadcast = _flat_buffers(pl_module)
-        with torch.no_grad():
-            for refs, flat, views in self._broadcast:
-                buffers = refs.resolve()
-                foreach_copy_(views, buffers)
-                dist.broadcast(flat, src=0)
-                foreach_copy_(buffers, views)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.ema_weights_at_end and self.ema is not None:
@@ -383,21 +365,6 @@ def _copy_into_module(module: torch.nn.Module, values: Mapping[str, torch.Tensor
                 value = local_part(value, target)
             local(target).copy_(local(value))
     reshard(module)
-
-
-def _flat_buffers(module: torch.nn.Module) -> list[tuple[TensorRefs, torch.Tensor, list[torch.Tensor]]]:
-    """Per (dtype, device): the floating buffers' refs, one flat tensor, and views of it shaped like them."""
-    groups: dict[tuple, list[tuple[torch.Tensor, tuple]]] = {}
-    for _, tensor, owner in state_entries(module):
-        if owner is not None and tensor.is_floating_point():
-            groups.setdefault((tensor.dtype, tensor.device), []).append((tensor, owner))
-    out = []
-    for members in groups.values():
-        refs = TensorRefs()
-        for tensor, owner in members:
-            refs.append(tensor, owner)
-        out.append((refs, *flat_views([t for t, _ in members])))
-    return out
 
 
 class _EMAPass:

@@ -3,7 +3,8 @@ checkpoint directory for post-hoc EMA (``python -m scripts.posthoc_ema RUN_DIR -
 
 Copy contract: the profiles are the ``PowerEMA``'s own tensors (see ``copy_correct.power_ema``): never a deep copy of
 the module, never in its ``parameters()``, updated in place with no allocation and no host read. The module's weights
-are only read; checkpoints keep the live weights as Lightning saves them.
+are only read (a sharded model's floating buffers excepted: see Sharded, below); checkpoints keep the live
+weights as Lightning saves them.
 
 * Updates after every optimizer step (so once per ``accumulate_grad_batches`` batches): ``PowerEMA.update`` counts
   optimizer steps, and ``update_every`` and ``snapshot_every`` count them too. The step is read once training starts,
@@ -21,7 +22,10 @@ are only read; checkpoints keep the live weights as Lightning saves them.
 * Sharded (FSDP2, Lightning's ``ModelParallelStrategy``): each rank keeps the profiles of its own shards (see
   ``copy_correct.power_ema``), updated with no collective, and every rank writes its own snapshot files
   (``power-ema-STEP-rankRofW.pt``; ``python -m scripts.posthoc_ema`` combines each rank's into its shards and joins
-  them). Checkpoints hold the profiles as Lightning holds the weights: in a distributed checkpoint (a directory, the
+  them). Before each update rank 0's floating buffers are copied into every rank's module (one broadcast per dtype),
+  as ``EMACallback`` does: FSDP2 never synchronises BatchNorm statistics, and a distributed checkpoint keeps one copy
+  of a tensor that is not sharded, so only then do all ranks average, save and resume the same buffers. Checkpoints
+  hold the profiles as Lightning holds the weights: in a distributed checkpoint (a directory, the
   default) each rank writes its shards beside the weights' (the callback state names each tensor's key there and its
   layout) and reads them back on resume; with ``save_distributed_checkpoint=False`` (one file) the profiles are
   gathered into full tensors, of which each rank takes its own part back on resume. A checkpoint spread otherwise
@@ -45,6 +49,7 @@ from copy_correct._atomic_save import atomic_save
 from copy_correct._sharding import is_sharded, layout
 from copy_correct.errors import CheckpointMismatch
 from copy_correct.lightning._distributed_state import read_into, store_under_keys
+from copy_correct.lightning._rank_zero_buffers import RankZeroBuffers
 from copy_correct.power_ema import PowerEMA, snapshot_name
 
 __all__ = ["PostHocEMACallback"]
@@ -81,6 +86,7 @@ class PostHocEMACallback(pl.Callback):
         self.module = module or None
         self._directory: Path | None = None  # where this rank writes snapshots; None: it writes none (rank > 0)
         self._trainer: pl.Trainer | None = None
+        self._broadcast = RankZeroBuffers()
         self.power_ema: PowerEMA | None = None
         self._pending: dict[str, Any] | None = None
         self._last_step = 0
@@ -100,7 +106,7 @@ class PostHocEMACallback(pl.Callback):
         self._trainer = trainer
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_trainer": None}
+        return {**self.__dict__, "_trainer": None, "_broadcast": RankZeroBuffers()}
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.power_ema is not None:
@@ -124,6 +130,8 @@ class PostHocEMACallback(pl.Callback):
     ) -> None:
         if trainer.global_step > self._last_step and self.power_ema is not None:  # an optimizer step in this batch
             self._last_step = trainer.global_step
+            if self.power_ema.sharded and self.power_ema.include_buffers and self.power_ema.model is not None:
+                self._broadcast.sync(trainer, self.power_ema.model)  # the same buffers on every rank
             self.power_ema.update()
             if self._directory is not None and self.power_ema.step % self.snapshot_every == 0:
                 self.save_snapshot(self._directory)

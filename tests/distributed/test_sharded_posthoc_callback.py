@@ -21,7 +21,6 @@ from scripts.posthoc_ema import join_shards
 from tests.conftest import ROOT, child_env, run_rank_script
 
 STEPS = 16  # 4 epochs of 4 optimizer steps
-SHARDED = ("0.weight", "0.bias", "1.weight", "1.bias", "3.weight", "3.bias")  # the profiles' names in "net"
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +76,12 @@ def test_the_ranks_snapshots_joined_are_the_power_ema_of_the_gathered_weights(
             expected = reference[step]["profiles"][k]
             assert joined.keys() == expected.keys()
             assert all(torch.equal(joined[n], expected[n]) for n in expected), step  # rank 0's buffers
+    # Every rank averaged rank 0's buffers (broadcast before each update): their profiles agree. The control: each
+    # rank's own statistics, which it would have averaged without the broadcast, differ (each saw its own batches).
+    last = [load_snapshot(paths[-1])["profiles"][0] for paths in files]
+    assert all(torch.equal(last[0][n], last[1][n]) for n in ("net.1.running_mean", "net.1.running_var"))
+    own = [rank["straight-dcp"]["own_running_mean"] for rank in runs[1]]
+    assert not torch.equal(own[0], own[1])
     # The control: rank 0's files alone hold half of each sharded tensor.
     alone = load_snapshot(files[0][-1])["profiles"][0]["net.0.weight"]
     assert alone.shape != reference[STEPS]["profiles"][0]["net.0.weight"].shape
@@ -91,7 +96,7 @@ def test_a_resumed_run_continues_the_profiles_and_snapshots_bit_for_bit(
         straight, resumed = rank[f"straight-{kind}"], rank[f"resumed-{kind}"]
         assert resumed["step"] == straight["step"] == STEPS
         for a, b in zip(resumed["profiles"], straight["profiles"], strict=True):
-            assert all(torch.equal(a[n], b[n]) for n in SHARDED)
+            assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)  # buffers too: rank 0's
     for straight, resumed in zip(
         rank_files(out / f"straight-{kind}"), rank_files(out / f"resumed-{kind}"), strict=True
     ):
@@ -99,7 +104,7 @@ def test_a_resumed_run_continues_the_profiles_and_snapshots_bit_for_bit(
         for a, b in zip(resumed, straight[4:], strict=True):
             sa, sb = load_snapshot(a), load_snapshot(b)
             for k in range(2):
-                assert all(torch.equal(sa["profiles"][k][f"net.{n}"], sb["profiles"][k][f"net.{n}"]) for n in SHARDED)
+                assert all(torch.equal(sa["profiles"][k][n], t) for n, t in sb["profiles"][k].items())
     # The control: the same resume with fresh profiles ends elsewhere.
     for rank in ranks:
         control, straight = rank["control"]["profiles"][0], rank["straight-dcp"]["profiles"][0]

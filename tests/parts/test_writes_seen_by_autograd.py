@@ -22,7 +22,7 @@ from torch import nn
 
 from copy_correct import EMA, GradientAverager, ReplayBuffer, hard_update, make_target, soft_update
 from copy_correct._foreach_writes import foreach_copy_, foreach_lerp_
-from copy_correct.lightning import EMACallback
+from copy_correct.lightning._rank_zero_buffers import RankZeroBuffers
 from copy_correct.probes import CopyAudit
 from tests.conftest import CUDA
 
@@ -104,14 +104,14 @@ def replay_add(device: torch.device) -> tuple[torch.Tensor, Callable[[], None]]:
     return buffer.obs, lambda: buffer.add(obs, 1, 1.0, obs, False)
 
 
-def ema_callback_buffer_broadcast(device: torch.device) -> tuple[torch.Tensor, Callable[[], None]]:
+def rank_zero_buffers(device: torch.device) -> tuple[torch.Tensor, Callable[[], None]]:
     model = net(device)
-    callback = EMACallback(decay=0.5)
-    trainer = SimpleNamespace(world_size=2)  # this process plays rank 1 of two; the callback only reads the size
+    buffers = RankZeroBuffers()  # what EMACallback and a sharded PostHocEMACallback run before each update
+    trainer = SimpleNamespace(world_size=2)  # this process plays rank 1 of two; only the size is read
 
     def write() -> None:
         with mock.patch.object(dist, "broadcast", _rank_zero_sends_other_statistics):
-            callback._buffers_from_rank_zero(trainer, model)  # type: ignore[arg-type]
+            buffers.sync(trainer, model)  # type: ignore[arg-type]
 
     return model[1].running_mean, write
 
@@ -137,7 +137,7 @@ WRITERS: dict[str, Writer] = {
     "EMA.average_weights, entering": swap_in,
     "EMA.average_weights, leaving": swap_back,
     "ReplayBuffer.add": replay_add,
-    "EMACallback buffer broadcast": ema_callback_buffer_broadcast,
+    "rank 0's buffers (EMACallback, PostHocEMACallback)": rank_zero_buffers,
     "GradientAverager.average": gradient_average,
 }
 

@@ -3,6 +3,7 @@ shadow."""
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -11,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from copy_correct.lightning import EMACallback
+from copy_correct.lightning._rank_zero_buffers import RankZeroBuffers
 from tests.lightning.test_ema_callback import Regressor
 
 
@@ -23,11 +25,17 @@ class SaveShadow(pl.Callback):
         torch.save(dict(self.ema.ema.shadow), self.out / f"rank{trainer.global_rank}.pt")
 
 
+class NoSync(RankZeroBuffers):
+    def sync(self, trainer: pl.Trainer, module: torch.nn.Module) -> None:
+        pass
+
+
 class WithoutBufferSync(EMACallback):
     """The control: each rank averages its own BatchNorm statistics."""
 
-    def _buffers_from_rank_zero(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        pass
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._broadcast = NoSync()
 
 
 if __name__ == "__main__":

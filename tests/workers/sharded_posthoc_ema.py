@@ -46,6 +46,14 @@ class WithoutState(PostHocEMACallback):
         pass
 
 
+class OwnStatistics(pl.Callback):
+    """This rank's own BatchNorm statistics after its last step, before ``PostHocEMACallback`` (after it in the
+    callbacks) copies rank 0's in: what each rank would average without that copy."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self.running_mean = pl_module.net[1].running_mean.clone()
+
+
 class Truth(pl.Callback):
     """The live weights after each optimizer step, gathered (every rank joins, rank 0 keeps)."""
 
@@ -58,21 +66,21 @@ class Truth(pl.Callback):
 
 def fit(directory: Path, distributed: bool, ckpt_path: Path | None = None, callback: type = PostHocEMACallback):
     pl.seed_everything(0)
-    posthoc, truth = callback(**KWARGS), Truth()
+    own, posthoc, truth = OwnStatistics(), callback(**KWARGS), Truth()
     strategy = ModelParallelStrategy(
         data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=distributed
     )
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_epochs=4, logger=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=directory, callbacks=[
-            posthoc, truth, ModelCheckpoint(directory, filename="{epoch}", save_top_k=-1),
+            own, posthoc, truth, ModelCheckpoint(directory, filename="{epoch}", save_top_k=-1),
         ],
     )  # fmt: skip
     trainer.fit(ShardedRegressor(), loader(), ckpt_path=ckpt_path)
     assert posthoc.power_ema is not None and posthoc.power_ema.sharded and posthoc.writes
     with torch.no_grad():
         profiles = [{k: local(v).clone() for k, v in profile.items()} for profile in posthoc.power_ema.profiles]
-    return {"profiles": profiles, "step": posthoc.power_ema.step}, truth.at
+    return {"profiles": profiles, "step": posthoc.power_ema.step, "own_running_mean": own.running_mean}, truth.at
 
 
 def main(rank: int, out: Path) -> None:
