@@ -19,7 +19,8 @@ have or an unknown group option (both checked before Hydra makes a run directory
 ``data=images``), a ``ckpt_path`` that is missing, not a checkpoint, or
 another recipe's or seed's. Bad input found once training runs (an image file that a DataLoader worker cannot
 decode, with ``data.verify=false``) stops the same way. A refused run leaves no run directory: the one Hydra made for
-it, holding only ``.hydra/`` and the log file, is removed (an earlier run's directory is left as it is).
+it, holding only ``.hydra/`` and the log file, is removed, with the folders above it that are then empty, up to the
+working directory (an earlier run's directory is left as it is).
 """
 
 from __future__ import annotations

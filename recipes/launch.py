@@ -167,8 +167,9 @@ HYDRA_FILES = ("config.yaml", "hydra.yaml", "overrides.yaml")
 
 def discard_refused_run_dir() -> Path | None:
     """Under ``@hydra.main``: remove this run's directory when it holds only what Hydra wrote before the task started
-    (``.hydra/`` and the job's log file), which is what a run refused before training leaves; return it, or ``None``
-    when there is none or it holds anything else (an earlier run's files, a checkpoint)."""
+    (``.hydra/`` and the job's log file), which is what a run refused before training leaves, and its parents below
+    the working directory that are then empty; return it, or ``None`` when there is none or it holds anything else
+    (an earlier run's files, a checkpoint)."""
     from hydra.core.hydra_config import HydraConfig
 
     if not HydraConfig.initialized():
@@ -181,4 +182,10 @@ def discard_refused_run_dir() -> Path | None:
     if made is not None and made.is_dir() and {p.name for p in made.iterdir()} - set(HYDRA_FILES):
         return None
     shutil.rmtree(run_dir)
+    # The parents that are empty now (``outputs/RECIPE/`` of a first run), up to the working directory, never above.
+    cwd = Path(hydra_cfg.runtime.cwd).resolve()
+    for parent in run_dir.resolve().parents:
+        if parent == cwd or not parent.is_relative_to(cwd) or any(parent.iterdir()):
+            break
+        parent.rmdir()
     return run_dir

@@ -17,7 +17,7 @@ from PIL import Image
 
 from recipes.build import build
 from recipes.launch import available_recipes
-from tests.conftest import QUIET, compose_config, run_train, write_images
+from tests.conftest import QUIET, ROOT, compose_config, run_train, write_images
 
 RECIPES = ", ".join(available_recipes())
 
@@ -136,6 +136,22 @@ def test_bad_input_exits_2_with_one_line_and_writes_nothing(
     assert not list(tmp_path.rglob("*.ckpt"))
     assert not run_dir.exists()  # refused before Hydra made it, or the directory Hydra made for it removed
     assert snapshot(earlier) == before
+
+
+def test_a_refused_first_run_leaves_no_empty_outputs_folders_below_the_working_directory(tmp_path: Path) -> None:
+    """The default run directory is ``outputs/RECIPE/TIME`` below the working directory: a refused first run takes
+    away the folders made for it and nothing that holds anything else (the control: a folder beside it stays)."""
+    top = ROOT / f"refused-{tmp_path.name}"  # below the repository, as outputs/ is
+    try:
+        (top / "kept").mkdir(parents=True)
+        result = run_train("+recipe=ema", "callbacks.ema.decay=1", f"hydra.run.dir={top.name}/ema/run")
+        assert result.returncode == 2, result.stderr[-3000:]
+        assert sorted(p.name for p in top.iterdir()) == ["kept"]  # ema/ went with ema/run; top/ holds kept/
+        shutil.rmtree(top / "kept")
+        result = run_train("+recipe=ema", "callbacks.ema.decay=1", f"hydra.run.dir={top.name}/ema/run")
+        assert result.returncode == 2 and not top.exists() and ROOT.is_dir()  # up to the working directory only
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
 
 
 def test_a_bad_run_pointed_at_an_earlier_directory_changes_it_and_keeps_it(earlier: Path, tmp_path: Path) -> None:
