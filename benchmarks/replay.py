@@ -122,7 +122,9 @@ class Contender:
 
 def ours(capacity: int, space: gym.spaces.Box, device: torch.device) -> Contender:
     one = ReplayBuffer(capacity, space, gym.spaces.Discrete(ACTIONS), device=device)
-    vec = ReplayBuffer(capacity, space, gym.spaces.Discrete(ACTIONS), num_envs=ENVS, device=device)
+    vec = ReplayBuffer(
+        capacity, space, gym.spaces.Discrete(ACTIONS), num_envs=ENVS, autoreset_mode="disabled", device=device
+    )
     c = Contender()
     c.add = lambda s: one.add(*s.one)
     c.add_vec = lambda s: vec.add(s.obs, s.action, s.reward, s.next_obs, s.terminated, s.truncated)

@@ -21,9 +21,16 @@ _MODE_NAMES = {"nextstep": "next_step", "samestep": "same_step", "disabled": "di
 
 
 def parse_mode(value: Any, num_envs: int | None) -> str:
-    """The autoreset mode from its name in any spelling or gymnasium's ``AutoresetMode`` (by its value); ``None``:
-    ``"disabled"``. A single env (``num_envs=None``) is reset by hand, so only ``None`` or ``"disabled"`` fit it."""
+    """The autoreset mode from its name in any spelling or gymnasium's ``AutoresetMode`` (by its value). A single env
+    (``num_envs=None``) is reset by hand, so only ``None`` or ``"disabled"`` fit it; with ``num_envs`` the mode must be
+    given (a vector env resets itself, and a buffer told nothing would store its reset steps as transitions)."""
     if value is None:
+        if num_envs is not None:
+            raise ValueError(
+                "autoreset_mode is needed with num_envs: pass envs.metadata['autoreset_mode'] "
+                f"(one of {', '.join(AUTORESET_MODES)}; disabled for envs you reset by hand), so that no reset step is "
+                "stored as a transition"
+            )
         return "disabled"
     name = str(getattr(value, "value", value)).replace("_", "").replace("-", "").lower()
     if name not in _MODE_NAMES:

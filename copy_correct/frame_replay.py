@@ -97,11 +97,6 @@ class FrameReplayBuffer:
     ) -> None:
         if num_envs is not None and num_envs < 1:
             raise ValueError(f"num_envs must be None or >= 1, got {num_envs}")
-        if autoreset_mode is None and num_envs is not None:
-            raise ValueError(
-                "autoreset_mode is needed with num_envs: pass envs.metadata['autoreset_mode'] "
-                f"(one of {', '.join(AUTORESET_MODES)}), so that no reset step is stored as a transition"
-            )
         self.autoreset_mode = parse_mode(autoreset_mode, num_envs)
         if padding not in PADDINGS:
             raise ValueError(f"padding must be one of {', '.join(PADDINGS)}, got {padding!r}")

@@ -18,9 +18,9 @@ Vector envs, by ``autoreset_mode`` (``envs.metadata["autoreset_mode"]``, or its 
 * ``"same_step"``: an env that ends resets in the same step, so its ``next_obs`` is the next episode's first
   observation. Pass the real last ones, ``final_obs=infos.get("final_obs")`` (gymnasium's object array, ``None`` for
   the envs that did not end; the key is there only at a step where one did), or ``next_obs`` with those rows replaced.
-* ``"disabled"``, and ``None`` (the default): every row is a transition; the caller resets ended envs by hand. A
-  single env (``num_envs=None``) is reset by hand: ``None`` or ``"disabled"``. With a vector env that autoresets,
-  ``None`` stores its reset steps: pass ``envs.metadata["autoreset_mode"]``.
+* ``"disabled"``: every row is a transition; the caller resets ended envs by hand. A single env (``num_envs=None``)
+  is reset by hand: ``None`` (the default) or ``"disabled"``. With ``num_envs`` the mode must be given: a buffer
+  told nothing would store a self-resetting vector env's reset steps as transitions.
 
 In every mode ``final_obs``, where given, is taken in place of ``next_obs`` for the rows whose episode ended
 (``terminated`` or ``truncated``), so each episode's real last transition is stored with its flags as given.

@@ -86,7 +86,7 @@ def test_numpy_writes_allocate_nothing_tracemalloc_sees_and_sb3s_copy_does() -> 
     memory to. The control is stable-baselines3's ``ReplayBuffer.add``: ``self.observations[pos] = np.array(obs)``."""
     frame = np.full(FRAME, 7, dtype=np.uint8)
     buffer = ReplayBuffer(8, FRAME, obs_dtype=np.uint8)
-    vectors = ReplayBuffer(8, FRAME, obs_dtype=np.uint8, num_envs=2)
+    vectors = ReplayBuffer(8, FRAME, obs_dtype=np.uint8, num_envs=2, autoreset_mode="disabled")
     frames, as_tensor, action = np.stack([frame, frame]), torch.from_numpy(frame), torch.tensor(1)
     actions, rewards, flags = np.array([1, 2]), np.array([1.0, 0.5]), np.zeros(2, dtype=bool)
     sb3 = np.zeros((8, *FRAME), dtype=np.uint8)
@@ -325,7 +325,9 @@ def test_the_environment_loops_types_take_the_path_that_converts_nothing(monkeyp
 @pytest.mark.parametrize("device", DEVICES)
 def test_vectorised_adds_write_num_envs_rows_wrap_around_and_raise_the_version_once(device: str) -> None:
     envs = gym.vector.SyncVectorEnv([lambda: gym.make("CartPole-v1")] * 3)
-    buffer = ReplayBuffer(7, envs.single_observation_space, envs.single_action_space, num_envs=3, device=device)
+    buffer = ReplayBuffer(
+        7, envs.single_observation_space, envs.single_action_space, num_envs=3, autoreset_mode="disabled", device=device
+    )
     obs, _ = envs.reset(seed=0)
     written = []
     for _ in range(3):  # 9 rows into 7: the third add wraps around
@@ -353,11 +355,11 @@ def test_a_vector_step_is_one_row_per_field_when_capacity_is_a_multiple_of_num_e
     steps = [(rng.integers(0, 256, (2, *FRAME), dtype=np.uint8), rng.integers(0, 4, 2), rng.random(2),
               rng.integers(0, 256, (2, *FRAME), dtype=np.uint8), rng.random(2) < 0.5, np.zeros(2, bool))
              for _ in range(5)]  # fmt: skip
-    general = ReplayBuffer(8, FRAME, obs_dtype=np.uint8, num_envs=2)
+    general = ReplayBuffer(8, FRAME, obs_dtype=np.uint8, num_envs=2, autoreset_mode="disabled")
     for step in steps:
         general.add(*step)
-    rows = ReplayBuffer(8, FRAME, obs_dtype=np.uint8, num_envs=2)
-    assert rows._rows is not None and ReplayBuffer(7, FRAME, num_envs=2)._rows is None
+    rows = ReplayBuffer(8, FRAME, obs_dtype=np.uint8, num_envs=2, autoreset_mode="disabled")
+    assert rows._rows is not None and ReplayBuffer(7, FRAME, num_envs=2, autoreset_mode="disabled")._rows is None
     views = zip(rows._rows.arrays, rows._fields, strict=True)
     assert all(np.shares_memory(view, field.writer) for view, field in views)
     with monkeypatch.context() as patch:
@@ -368,7 +370,7 @@ def test_a_vector_step_is_one_row_per_field_when_capacity_is_a_multiple_of_num_e
             assert rows.obs._version == version + 1
     assert same(snapshot(rows), snapshot(general))
 
-    unaligned = ReplayBuffer(8, FRAME, obs_dtype=np.uint8, num_envs=2)
+    unaligned = ReplayBuffer(8, FRAME, obs_dtype=np.uint8, num_envs=2, autoreset_mode="disabled")
     unaligned.load_state_dict({**general.state_dict(), "pos": 3})
     general.load_state_dict({**general.state_dict(), "pos": 3})
     unaligned.add(*steps[0])  # position 3: rows 3 and 4, across two rows of the view, so the general path
@@ -430,10 +432,11 @@ BAD_ADDS = {  # case -> (the buffer's arguments, the bad field, the error it rai
     "action 2**64 into int64": ({}, {"action": 2**64},
                                 r"^action is 18446744073709551616, outside the range of the buffer's int64$"),
     "vector add, float frames into uint8": (
-        {"obs": FRAME, "obs_dtype": np.uint8, "num_envs": 3}, {"obs": np.zeros((3, *FRAME), np.float32)},
+        {"obs": FRAME, "obs_dtype": np.uint8, "num_envs": 3, "autoreset_mode": "disabled"},
+        {"obs": np.zeros((3, *FRAME), np.float32)},
         r"^obs has dtype float32, the buffer stores uint8: a float would be truncated"),
     "vector add, one row short": (
-        {"num_envs": 3}, {"reward": np.zeros(2)},
+        {"num_envs": 3, "autoreset_mode": "disabled"}, {"reward": np.zeros(2)},
         r"^reward has shape \(2,\), the buffer stores \(\) per transition and 3 per add: expected \(3,\)$"),
 }  # fmt: skip
 
@@ -593,7 +596,7 @@ def test_a_vector_env_in_each_autoreset_mode_stores_every_real_transition_and_no
 
 
 CONTROLS = {  # case -> (the env's mode, the buffer's mode, the loop's feed)
-    "next_step, every row stored": ("next_step", None, "final_obs"),
+    "next_step, the buffer told disabled": ("next_step", "disabled", "final_obs"),
     "same_step, next_obs as it is": ("same_step", "same_step", "as is"),
     "same_step, CleanRL's truncated rows only": ("same_step", "same_step", "cleanrl"),
     "disabled, the buffer told next_step": ("disabled", "next_step", "final_obs"),
@@ -722,7 +725,9 @@ def test_autoreset_modes_by_any_name_and_a_single_env_reset_by_hand() -> None:
     single env is its one last observation, written for an ending only."""
     assert ReplayBuffer(4, (4,), num_envs=2, autoreset_mode="NextStep").autoreset_mode == "next_step"
     assert ReplayBuffer(4, (4,), num_envs=2, autoreset_mode=AutoresetMode.SAME_STEP).autoreset_mode == "same_step"
-    assert ReplayBuffer(4, (4,), num_envs=2).autoreset_mode == ReplayBuffer(4, (4,)).autoreset_mode == "disabled"
+    assert ReplayBuffer(4, (4,)).autoreset_mode == "disabled"
+    with pytest.raises(ValueError, match=r"^autoreset_mode is needed with num_envs: pass envs.metadata"):
+        ReplayBuffer(4, (4,), num_envs=2)  # a vector env told nothing would have its reset steps stored
     with pytest.raises(ValueError, match=r"^autoreset_mode must be one of next_step, same_step, disabled"):
         ReplayBuffer(4, (4,), num_envs=2, autoreset_mode="sometimes")
     with pytest.raises(ValueError, match=r"^a single env \(num_envs=None\) is reset by hand: autoreset_mode must be"):
