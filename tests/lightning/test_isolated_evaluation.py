@@ -1,15 +1,17 @@
 """``IsolatedEvaluation``: a user's module (dropout in training, a plain shuffled ``DataLoader``, noise drawn in its
-validation step) trains to the same weights, optimizer state and generator states, bit for bit, whether it validates
-after every epoch, twice an epoch or once at the end (with ``EMACallback``'s two evaluation passes:
-``tests/lightning/test_ema_callback.py``); a
-checkpoint saved when a validation ends holds the generators as the training batch before it left them. The control
-of each: the same runs without the callback end elsewhere."""
+validation step from torch's, NumPy's or Python's generator) trains to the same weights, optimizer state and
+generator states, bit for bit, whether it validates after every epoch, twice an epoch or once at the end (with
+``EMACallback``'s two evaluation passes: ``tests/lightning/test_ema_callback.py``); a checkpoint saved when a
+validation ends holds the generators as the training batch before it left them. The control of each: the same runs
+without the callback end elsewhere."""
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -124,3 +126,37 @@ def test_a_checkpoint_saved_when_validation_ends_holds_the_generator_training_le
     trainer.fit(UsersModule())
     saved = torch.load(tmp_path / "epoch=0.ckpt", weights_only=True)["cpu_generator"]
     assert torch.equal(saved, stamp.at_batch_end[-1]) == isolated
+
+
+class NumpyUsersModule(UsersModule):
+    """Noise from NumPy's and Python's global generators in validation, and from the same generators in training."""
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        jitter = torch.from_numpy(np.random.normal(0, 0.1, x.shape).astype(np.float32)) * random.random()
+        return F.mse_loss(self.net(x + jitter.to(self.device)), y)
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        noisy = x + torch.from_numpy(np.random.normal(0, 0.1, x.shape).astype(np.float32)).to(self.device)
+        random.shuffle(list(range(8)))  # evaluation code's draw from Python's generator
+        self.log("val/loss", F.mse_loss(self.net(noisy), y))
+
+
+@pytest.mark.parametrize("isolated", [True, False], ids=["isolated", "control"])
+def test_numpy_and_python_draws_in_validation_do_not_move_training(isolated: bool) -> None:
+    """The control: without the callback, validating every epoch ends with other weights than validating once."""
+
+    def weights(schedule: dict[str, Any]) -> dict[str, torch.Tensor]:
+        pl.seed_everything(0, verbose=False)
+        module = NumpyUsersModule()
+        trainer = pl.Trainer(
+            accelerator="cpu", max_epochs=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, callbacks=[IsolatedEvaluation()] if isolated else [], **schedule,
+        )  # fmt: skip
+        trainer.fit(module)
+        return {**module.state_dict(), "numpy": torch.from_numpy(np.random.get_state()[1].astype(np.int64)),
+                "python": torch.tensor(random.getstate()[1])}  # fmt: skip
+
+    once, often = weights(ONCE), weights(OFTEN["every epoch"])
+    assert all(torch.equal(once[k], often[k]) for k in once) == isolated
