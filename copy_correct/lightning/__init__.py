@@ -6,7 +6,7 @@ Adapters:
     PostHocEMACallback   PowerEMA profiles of the module per optimizer step, snapshotted for post-hoc EMA
     ResumeState          every rank's RNG states, recipe and seed in checkpoints; exact resume
     check_checkpoint     raises ``ValueError`` unless a checkpoint was stamped with this recipe and seed
-    IsolatedEvaluation   each validation in ``fit`` leaves torch's generators as training left them
+    IsolatedEvaluation   each validation in ``fit`` leaves torch's, NumPy's and Python's generators as it found them
     RunSummary           writes ``summary.json`` (final metrics, recipe, seed)
     DataWaitMonitor      samples per second and the share of time spent waiting for batches
     AtomicCheckpointIO   checkpoints streamed to a file beside the target and renamed over it
