@@ -37,17 +37,29 @@ How one update decides and stays exact, per group (``update``):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from copy_correct._flat import flat_views
 
-__all__ = ["NonFiniteGuard", "ProfilesGuard"]
+__all__ = ["NonFiniteGuard", "ProfilesGuard", "refuse_nonfinite"]
 
 # the integer dtype of each element size: a float's bits, selected exactly (bool viewed as uint8: no bool subtraction)
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def refuse_nonfinite(tensors: Mapping[str, torch.Tensor]) -> None:
+    """``ValueError`` naming the floating tensors that hold a NaN or an Inf: a guard built on them would skip every
+    update. Read once, at construction (a sync per tensor there, none per update)."""
+    nonfinite = [name for name, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if nonfinite:
+        raise ValueError(
+            f"skip_nonfinite=True, but the model's {nonfinite[:5]} hold NaN or Inf now, so every update would be "
+            "skipped (a floating buffer filled with -inf, say an attention mask: store it as bool, or leave it out of "
+            "the state_dict with persistent=False)"
+        )
 
 
 class _Staged:

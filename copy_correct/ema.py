@@ -98,7 +98,7 @@ from torch import nn
 from copy_correct._flat import flat_views
 from copy_correct._foreach_writes import foreach_copy_, foreach_lerp_
 from copy_correct._module_tensors import TensorRefs, state_entries, unwrap
-from copy_correct._nonfinite import NonFiniteGuard
+from copy_correct._nonfinite import NonFiniteGuard, refuse_nonfinite
 from copy_correct._sharding import from_local, is_sharded, layout, local, local_part, reshard
 
 __all__ = ["EMA"]
@@ -211,15 +211,7 @@ class EMA:
             home = self._groups[0].shadows[0].device if self._groups else torch.device("cpu")
             self._skipped = torch.zeros((), dtype=torch.float64, device=home)  # updates skipped
             self._applied = torch.zeros((), dtype=torch.float64, device=home)  # averaging updates applied: the k
-            nonfinite = [
-                name for name, t in self._shadow.items() if t.is_floating_point() and not torch.isfinite(local(t)).all()
-            ]
-            if nonfinite:
-                raise ValueError(
-                    f"skip_nonfinite=True, but the model's {nonfinite[:5]} hold NaN or Inf now, so every update would "
-                    "be skipped (a floating buffer filled with -inf, say an attention mask: store it as bool, or "
-                    "leave it out of the state_dict with persistent=False)"
-                )
+            refuse_nonfinite({name: local(t) for name, t in self._shadow.items()})
             self._arm()
 
     # -- construction -------------------------------------------------------------------------------

@@ -78,7 +78,7 @@ from torch import nn
 from copy_correct._atomic_save import atomic_save
 from copy_correct._foreach_writes import foreach_copy_, foreach_lerp_
 from copy_correct._module_tensors import TensorRefs, state_entries, unwrap
-from copy_correct._nonfinite import ProfilesGuard
+from copy_correct._nonfinite import ProfilesGuard, refuse_nonfinite
 from copy_correct._sharding import from_local, is_sharded, layout, local, local_part
 from copy_correct.power_function import sigma_rel_to_gamma
 
@@ -196,15 +196,7 @@ class PowerEMA:
             home = self._groups[0].profiles[0][0].device if self._groups else torch.device("cpu")
             self._skipped = torch.zeros((), dtype=torch.float64, device=home)  # updates skipped
             self._applied_step = torch.zeros((), dtype=torch.float64, device=home)  # the last applied update's step
-            nonfinite = [
-                name for name, t in self.profiles[0].items() if t.is_floating_point() and not torch.isfinite(t).all()
-            ]
-            if nonfinite:
-                raise ValueError(
-                    f"skip_nonfinite=True, but the model's {nonfinite[:5]} hold NaN or Inf now, so every update would "
-                    "be skipped (a floating buffer filled with -inf, say an attention mask: store it as bool, or "
-                    "leave it out of the state_dict with persistent=False)"
-                )
+            refuse_nonfinite(self.profiles[0])
             self._arm()
 
     def _arm(self) -> None:

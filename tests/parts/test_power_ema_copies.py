@@ -131,3 +131,33 @@ def test_a_copied_callback_gives_its_profiles_the_module_when_fit_starts() -> No
     assert twin.power_ema is not None and twin.power_ema.model is None
     twin.on_fit_start(SimpleNamespace(global_rank=0), module)  # type: ignore[arg-type]
     assert twin.power_ema.model is module.net
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("guarded", [False, True], ids=["plain", "skip_nonfinite"])
+def test_a_copy_keeps_its_cpu_profiles_and_averages_a_cuda_model_into_them(guarded: bool) -> None:
+    """The copy's profiles stay where they are (the CPU) when the model it is given lives on a GPU: each update stages
+    the live values onto the profiles' device. The reference: the original, fed the same weights on the CPU."""
+    model = net()
+    ema = PowerEMA(model, skip_nonfinite=guarded)
+    train_step(model, 1)
+    ema.update()
+    twin = copy.deepcopy(ema)
+    cuda = net("cuda")
+    cuda.load_state_dict(model.state_dict())
+    twin.track(cuda)
+    for step in range(2, 6):
+        train_step(model, step)
+        cuda.load_state_dict(model.state_dict())  # the same weights on the GPU
+        ema.update()
+        twin.update()
+    assert all(t.device.type == "cpu" for profile in twin.profiles for t in profile.values())
+    assert same(twin, ema)
+    if guarded:
+        with torch.no_grad():
+            cuda[0].weight[0, 0] = float("nan")
+        twin.update()
+        assert twin.skipped == 1 and all(
+            torch.isfinite(t).all() for t in twin.profiles[0].values() if t.is_floating_point()
+        )
