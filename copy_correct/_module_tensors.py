@@ -23,21 +23,29 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from copy_correct._checks import not_a_module
 from copy_correct._sharding import is_sharded, local
 
 __all__ = ["TensorRefs", "state_entries", "unwrap"]
 
 
-def unwrap(model: nn.Module) -> nn.Module:
+def unwrap(model: nn.Module, name: str = "model") -> nn.Module:
     """The module inside ``DistributedDataParallel`` / ``DataParallel`` (``.module``) and ``torch.compile``
-    (``._orig_mod``) wrappers, however nested: the module whose ``state_dict`` names carry no wrapper prefix."""
+    (``._orig_mod``) wrappers, however nested: the module whose ``state_dict`` names carry no wrapper prefix.
+
+    Anything but a module (``model.parameters()``, a list of tensors, a ``state_dict``) is a one-line ``TypeError``
+    naming the argument ``name``, found at no cost to a module: the attribute lookup a module makes anyway fails."""
     while True:
         if isinstance(model, _PARALLEL):
             model = model.module
-        elif isinstance(inner := model._modules.get("_orig_mod"), nn.Module):  # not getattr: a miss costs a raise
-            model = inner
-        else:
+            continue
+        try:
+            inner = model._modules.get("_orig_mod")  # not getattr: a miss costs a raise
+        except AttributeError:
+            raise TypeError(not_a_module(name, model)) from None
+        if not isinstance(inner, nn.Module):
             return model
+        model = inner
 
 
 _PARALLEL = (nn.parallel.DistributedDataParallel, nn.DataParallel)

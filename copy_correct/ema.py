@@ -95,6 +95,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from copy_correct._checks import device as checked_device
+from copy_correct._checks import flag, floating_dtype, integer, module, number
 from copy_correct._flat import flat_views
 from copy_correct._foreach_writes import foreach_copy_, foreach_lerp_
 from copy_correct._module_tensors import TensorRefs, state_entries, unwrap
@@ -149,6 +151,10 @@ class EMA:
         skip_nonfinite: skip, on the device, every update whose live values hold a NaN or an Inf, leaving the average
             bit for bit as it was and the warm-up where it was; ``skipped`` counts them. Off by default: the update
             takes about 3x as long (measured on CPU), and a staging copy of the weights is kept.
+
+    Every argument is checked here, in one line naming it and what it takes: a value of the wrong type (a string for
+    a number, a bool for an int, ``model.parameters()`` for the model) is a ``TypeError``, one out of range a
+    ``ValueError``, and so is a model with no floating parameter or buffer to average (``nn.ReLU()``).
     """
 
     def __init__(
@@ -165,27 +171,16 @@ class EMA:
         device: str | torch.device | None = None,
         skip_nonfinite: bool = False,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        if not 0.0 <= decay < 1.0:
-            raise ValueError(f"decay must be in [0, 1), got {decay}")
-        if not warmup_power > 0:
-            raise ValueError(f"warmup_power must be > 0, got {warmup_power}")
-        if update_every < 1:
-            raise ValueError(f"update_every must be >= 1, got {update_every}")
-        if start_step < 0:
-            raise ValueError(f"start_step must be >= 0, got {start_step}")
-        if shadow_dtype is not None and not shadow_dtype.is_floating_point:
-            raise ValueError(f"shadow_dtype must be a floating dtype, got {shadow_dtype}")
-        self.decay = float(decay)
-        self.warmup = warmup
-        self.warmup_power = float(warmup_power)
-        self.update_every = update_every
-        self.start_step = start_step
-        self.include_buffers = include_buffers
-        self.shadow_dtype = shadow_dtype
-        self.device = torch.device(device) if device is not None else None
-        self.skip_nonfinite = skip_nonfinite
+        module("model", model)
+        self.decay = number("decay", decay, "[0, 1)")
+        self.warmup = flag("warmup", warmup)
+        self.warmup_power = number("warmup_power", warmup_power, "(0, inf)")
+        self.update_every = integer("update_every", update_every, 1)
+        self.start_step = integer("start_step", start_step, 0)
+        self.include_buffers = flag("include_buffers", include_buffers)
+        self.shadow_dtype = floating_dtype("shadow_dtype", shadow_dtype)
+        self.device = checked_device("device", device) if device is not None else None
+        self.skip_nonfinite = flag("skip_nonfinite", skip_nonfinite)
         self.step = 0  # calls of update()
         self.num_updates = 0  # averaging updates made (the warm-up's k; under skip_nonfinite, skipped ones too)
         self._shadow: dict[str, torch.Tensor] = {}
@@ -206,6 +201,9 @@ class EMA:
         self._swap: _Swap | None = None  # set while average_weights holds the average in the model
         self._share_checked = False  # initial_share is checked once, when the average is first used
         self._shadow, self._groups = self._build(tracked)
+        if not any(group.average for group in self._groups):
+            buffers = "parameters or buffers" if include_buffers else "parameters (include_buffers=False)"
+            raise ValueError(f"model ({type(tracked).__name__}) has no floating {buffers}: nothing to average")
         self._guard: NonFiniteGuard | None = None
         if skip_nonfinite:
             home = self._groups[0].shadows[0].device if self._groups else torch.device("cpu")

@@ -55,7 +55,8 @@ import numpy as np
 import torch
 
 from copy_correct._autoreset import AUTORESET_MODES, parse_mode
-from copy_correct.replay import _F32_MAX, _F32_MIN, _SOURCE_DTYPES, Space, _layout, _refusal
+from copy_correct._checks import integral
+from copy_correct.replay import _F32_MAX, _F32_MIN, _SOURCE_DTYPES, Space, _check_sample, _layout, _refusal
 
 __all__ = ["AUTORESET_MODES", "FrameReplayBuffer"]
 
@@ -95,8 +96,9 @@ class FrameReplayBuffer:
         padding: str = "reset",
         action_dtype: Any = None,
     ) -> None:
-        if num_envs is not None and num_envs < 1:
+        if num_envs is not None and integral("num_envs", num_envs, "None or an integer >= 1") < 1:
             raise ValueError(f"num_envs must be None or >= 1, got {num_envs}")
+        integral("capacity", capacity, "an integer >= 1")
         self.autoreset_mode = parse_mode(autoreset_mode, num_envs)
         if padding not in PADDINGS:
             raise ValueError(f"padding must be one of {', '.join(PADDINGS)}, got {padding!r}")
@@ -400,8 +402,7 @@ class FrameReplayBuffer:
         ``terminated``, ``truncated``. Candidates are frames drawn by ``torch.randint`` with ``generator``, a quarter
         more than needed, and the first that start a transition whose stacks are still in the ring are kept (an
         episode's last frame starts none); more are drawn in the rare case that too few were."""
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        _check_sample(batch_size, generator)
         if self._stored == 0:  # with one stored, each stream's newest transition has its whole stack in the ring
             raise ValueError("cannot sample from a FrameReplayBuffer that holds no transition yet")
         length, written = self._length, self._written

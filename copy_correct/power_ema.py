@@ -67,7 +67,7 @@ Sharded models (FSDP2: every parameter a ``DTensor``, each rank holding its shar
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,11 +76,12 @@ import torch
 from torch import nn
 
 from copy_correct._atomic_save import atomic_save
+from copy_correct._checks import flag, floating_dtype, integer, module, real, shown
 from copy_correct._foreach_writes import foreach_copy_, foreach_lerp_
 from copy_correct._module_tensors import TensorRefs, state_entries, unwrap
 from copy_correct._nonfinite import ProfilesGuard, refuse_nonfinite
 from copy_correct._sharding import from_local, is_sharded, layout, local, local_part
-from copy_correct.power_function import sigma_rel_to_gamma
+from copy_correct.power_function import SIGMA_REL_MAX, sigma_rel_to_gamma
 
 __all__ = ["SNAPSHOT_FORMAT", "PowerEMA", "snapshot_name"]
 
@@ -104,6 +105,21 @@ def _check_match(entries: list[tuple[str, torch.Tensor, Any]], profile: Mapping[
         profile_ties.setdefault(id(profile[name]), name)
         if live_ties[id(live)] != profile_ties[id(profile[name])]:
             raise ValueError(f"{name!r} is tied to other tensors in the model than in the profiles")
+
+
+def _sigma_rels(given: Any) -> tuple[float, ...]:
+    """The ``sigma_rels`` argument as floats, checked: a sequence of distinct numbers (one number alone is a
+    ``TypeError``: ``(0.05,)`` is one profile); ``sigma_rel_to_gamma`` refuses one outside ``(0, SIGMA_REL_MAX)``."""
+    interval = f"(0, {SIGMA_REL_MAX:.4f})"
+    if not isinstance(given, Iterable) or isinstance(given, (str, bytes)):
+        raise TypeError(
+            f"sigma_rels must be a sequence of numbers in {interval}, one per profile, such as (0.05, 0.10), got "
+            f"{shown(given)}"
+        )
+    sigma_rels = tuple(real(f"sigma_rels[{i}]", s, f"a number in {interval}") for i, s in enumerate(given))
+    if not sigma_rels or len(set(sigma_rels)) != len(sigma_rels):
+        raise ValueError(f"sigma_rels must be one or more distinct values, got {sigma_rels}")
+    return sigma_rels
 
 
 def snapshot_name(step: int, rank: int | None = None, world_size: int | None = None) -> str:
@@ -143,6 +159,11 @@ class PowerEMA:
         skip_nonfinite: skip, on the device, every update whose live values hold a NaN or an Inf, leaving every
             profile bit for bit as it was; the next good update is made as if the skipped one had never been.
             ``skipped`` counts them. Off by default: a staging copy of the weights is kept and the update costs more.
+
+    Every argument is checked here, in one line naming it and what it takes: a value of the wrong type (a string for
+    a number, one number for ``sigma_rels``, a bool for an int, ``model.parameters()`` for the model) is a
+    ``TypeError``, one out of range a ``ValueError``, and so is a model with no floating parameter or buffer to
+    average (``nn.ReLU()``).
     """
 
     def __init__(
@@ -157,21 +178,17 @@ class PowerEMA:
         profile_dtype: torch.dtype | None = None,
         skip_nonfinite: bool = False,
     ) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        sigma_rels = tuple(float(s) for s in sigma_rels)
-        if not sigma_rels or len(set(sigma_rels)) != len(sigma_rels):
-            raise ValueError(f"sigma_rels must be one or more distinct values, got {sigma_rels}")
-        if update_every < 1:
-            raise ValueError(f"update_every must be >= 1, got {update_every}")
-        if snapshot_every is not None and (snapshot_every < 1 or snapshot_every % update_every):
+        module("model", model)
+        sigma_rels = _sigma_rels(sigma_rels)
+        update_every = integer("update_every", update_every, 1)
+        if snapshot_every is not None and (integer("snapshot_every", snapshot_every, 1) % update_every):
             raise ValueError(
                 f"snapshot_every must be a positive multiple of update_every={update_every}, got {snapshot_every}"
             )
         if (snapshot_every is None) != (snapshot_dir is None):
             raise ValueError("snapshot_every and snapshot_dir go together: give both, or neither")
-        if profile_dtype is not None and not profile_dtype.is_floating_point:
-            raise ValueError(f"profile_dtype must be a floating dtype, got {profile_dtype}")
+        if snapshot_dir is not None and not isinstance(snapshot_dir, (str, os.PathLike)):
+            raise TypeError(f"snapshot_dir must be a path (str or os.PathLike) or None, got {shown(snapshot_dir)}")
         self.sigma_rels = sigma_rels
         self.gammas = tuple(sigma_rel_to_gamma(s) for s in sigma_rels)
         self.update_every = update_every
@@ -179,9 +196,9 @@ class PowerEMA:
         self.snapshot_dir = Path(snapshot_dir) if snapshot_dir is not None else None
         self.step = 0  # optimizer steps seen (update() calls)
         self.updated_step = 0  # the step of the last averaging update: the profiles hold weights of steps 1..this
-        self.skip_nonfinite = skip_nonfinite
-        self.include_buffers = include_buffers
-        self.profile_dtype = profile_dtype
+        self.skip_nonfinite = flag("skip_nonfinite", skip_nonfinite)
+        self.include_buffers = flag("include_buffers", include_buffers)
+        self.profile_dtype = floating_dtype("profile_dtype", profile_dtype)
         self._model: nn.Module | None = unwrap(model)
         self.sharded = any(is_sharded(p) for p in self._model.parameters())
         if self.sharded and skip_nonfinite:
@@ -191,6 +208,9 @@ class PowerEMA:
             )
         self.profiles: list[dict[str, torch.Tensor]] = [{} for _ in sigma_rels]
         self._groups = self._build()
+        if not any(group.average for group in self._groups):
+            buffers = "parameters or buffers" if include_buffers else "parameters (include_buffers=False)"
+            raise ValueError(f"model ({type(self._model).__name__}) has no floating {buffers}: nothing to average")
         self._guard: ProfilesGuard | None = None
         if skip_nonfinite:
             home = self._groups[0].profiles[0][0].device if self._groups else torch.device("cpu")

@@ -65,6 +65,8 @@ import numpy as np
 import torch
 
 from copy_correct._autoreset import parse_mode
+from copy_correct._checks import device as checked_device
+from copy_correct._checks import integer, integral, shown
 
 __all__ = ["ReplayBuffer"]
 
@@ -168,14 +170,14 @@ class ReplayBuffer:
         autoreset_mode: Any = None,
         device: str | torch.device = "cpu",
     ) -> None:
-        if num_envs is not None and num_envs < 1:
+        if num_envs is not None and integral("num_envs", num_envs, "None or an integer >= 1") < 1:
             raise ValueError(f"num_envs must be None or >= 1, got {num_envs}")
-        if capacity < max(1, num_envs or 1):
+        if integral("capacity", capacity, "an integer >= 1") < max(1, num_envs or 1):
             raise ValueError(f"capacity must be >= 1 and >= num_envs, got {capacity}")
         self.autoreset_mode = parse_mode(autoreset_mode, num_envs)
         self.capacity = capacity
         self.num_envs = num_envs
-        self.device = torch.device(device)
+        self.device = checked_device("device", device)
         self.obs_shape, obs_np = _layout("obs", obs, obs_dtype, np.float32)
         self.action_shape, action_np = _layout("action", action, action_dtype, np.int64)
         layout = {
@@ -401,8 +403,7 @@ class ReplayBuffer:
         copy over them, into an array from ``np.empty`` (numpy asks for huge pages from 4 MiB: fewer page faults)."""
         if self.size == 0:
             raise ValueError("cannot sample from an empty ReplayBuffer")
-        if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        _check_sample(batch_size, generator)
         index = torch.randint(self.size, (batch_size,), generator=generator, device="cpu")
         if not self._on_cpu:
             index = index.to(self.device)
@@ -506,6 +507,15 @@ class _EnvRows:
         )  # fmt: skip
 
 
+def _check_sample(batch_size: Any, generator: Any) -> None:
+    """``sample``'s arguments: ``batch_size`` an integer >= 1 (``"64"`` and ``True`` are ``TypeError``s), ``generator``
+    a ``torch.Generator`` or ``None``; a plain call costs two type checks."""
+    if type(batch_size) is not int or batch_size < 1:
+        integer("batch_size", batch_size, 1)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator or None, got {shown(generator)}")
+
+
 def _flags(value: Any) -> np.ndarray:
     """Checked ``terminated`` or ``truncated`` as a numpy bool array of one row per env, on the host."""
     if isinstance(value, torch.Tensor):
@@ -535,7 +545,9 @@ def _layout(name: str, spec: Any, dtype: DTypeLike | None, default: type) -> tup
                 "(gymnasium.wrappers.FlattenObservation for observations, gymnasium.spaces.flatten_space for actions)"
             )
         shape, space_dtype = tuple(int(d) for d in spec.shape), spec.dtype
-    elif isinstance(spec, Sequence) and all(isinstance(d, (int, np.integer)) and d >= 0 for d in spec):
+    elif isinstance(spec, Sequence) and all(
+        isinstance(d, (int, np.integer)) and not isinstance(d, bool) and d >= 0 for d in spec
+    ):
         shape, space_dtype = tuple(int(d) for d in spec), None
     else:
         raise TypeError(f"{name} must be a gymnasium space or a shape (a sequence of ints), got {spec!r}")

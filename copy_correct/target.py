@@ -24,6 +24,16 @@ Copy contract:
   a Python loop per call; ``target.data.copy_(tau * q + (1 - tau) * t)`` allocates three temporaries per
   tensor and bypasses autograd's version checks through ``.data``.
 
+Refused, in one line naming the argument, before anything is written: anything but a module for ``target``,
+``online`` or ``into`` (``.parameters()``, a list of tensors, a ``state_dict``: pass the module), networks that differ
+or hold no floating tensor, a ``tau`` that is not a number in (0, 1] (a string is a ``TypeError``), a
+``skip_nonfinite`` that is not a bool, and the arguments reversed: ``hard_update(online, target)``, as
+stable-baselines3's ``polyak_update(params, target_params)`` orders them, would overwrite the trained network, so a
+``target`` that requires grad with an ``online`` frozen everywhere (``make_target``'s) is refused. Two trainable
+networks (CleanRL's target is a second ``QNetwork``) are taken: nothing tells their order. The networks are checked
+once per (target, online) pair, when its lists are built; later calls check the types of their scalars alone. To
+copy a frozen network into a trainable one on purpose, use ``trainable.load_state_dict(frozen.state_dict())``.
+
 Wrapped networks: ``torch.compile``, ``DataParallel`` and DDP wrappers are looked through (``online``, ``target`` or
 both), so their ``_orig_mod.`` / ``module.`` prefixes never make a pair mismatch; ``make_target`` copies the module
 inside (compile the target yourself if you want it compiled). The lists built for a pair refer to the target's
@@ -58,6 +68,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from copy_correct._checks import flag, module, number
 from copy_correct._foreach_writes import foreach_copy_, foreach_lerp_
 from copy_correct._module_tensors import TensorRefs, state_entries, unwrap
 from copy_correct._nonfinite import NonFiniteGuard
@@ -74,13 +85,9 @@ def make_target(online: nn.Module, into: nn.Module | None = None) -> nn.Module:
     no collective) and ``into`` is frozen and returned: the way to a target of a network that is already sharded,
     which FSDP2 cannot deep-copy.
     """
-    if not isinstance(online, nn.Module):
-        raise TypeError(f"online must be an nn.Module, got {type(online).__name__}")
-    online = unwrap(online)
+    online = unwrap(module("online", online), "online")
     if into is not None:
-        if not isinstance(into, nn.Module):
-            raise TypeError(f"into must be an nn.Module, got {type(into).__name__}")
-        hard_update(into, online)
+        _update(module("into", into), online, 1.0, caller=None)  # the order is named: nothing looks reversed
         into.requires_grad_(False)
         return into.eval()
     if any(is_sharded(p) for p in online.parameters()):
@@ -96,32 +103,46 @@ def make_target(online: nn.Module, into: nn.Module | None = None) -> nn.Module:
 
 def hard_update(target: nn.Module, online: nn.Module, *, skip_nonfinite: bool = False) -> None:
     """Copy every parameter and buffer of ``online`` into ``target``, in place and bit for bit; with
-    ``skip_nonfinite``, not at all when an online floating value is NaN or Inf (decided on the device)."""
-    _update(target, online, 1.0, skip_nonfinite)
+    ``skip_nonfinite``, not at all when an online floating value is NaN or Inf (decided on the device).
+
+    Refused before anything is written (one line, naming the argument): anything but a module for either network
+    (``.parameters()`` included: pass the modules), networks that differ or hold no floating tensor, and the
+    arguments reversed, as stable-baselines3's ``polyak_update(params, target_params)`` orders them: a ``target``
+    that requires grad with an ``online`` frozen everywhere (as ``make_target`` leaves a target). Two trainable
+    networks (CleanRL's target) are taken. Checked once per (target, online) pair, when its lists are built."""
+    if type(skip_nonfinite) is not bool:
+        flag("skip_nonfinite", skip_nonfinite)
+    _update(target, online, 1.0, skip_nonfinite, "hard_update")
 
 
 def soft_update(target: nn.Module, online: nn.Module, tau: float, *, skip_nonfinite: bool = False) -> None:
     """``target = (1 - tau) * target + tau * online`` for floating tensors, in place; integer buffers copied. With
     ``skip_nonfinite``, not at all when an online floating value is NaN or Inf (decided on the device).
 
-    ``tau`` must be in (0, 1]; ``tau == 1`` is a hard update.
+    ``tau`` must be a number in (0, 1] (a string or a bool is a ``TypeError``); ``tau == 1`` is a hard update. The
+    networks are checked, and refused, as ``hard_update`` checks them, the reversed order included.
     """
-    if not 0.0 < tau <= 1.0:
-        raise ValueError(f"tau must be in (0, 1], got {tau}")
-    _update(target, online, tau, skip_nonfinite)
+    if type(tau) is not float or not 0.0 < tau <= 1.0:
+        number("tau", tau, "(0, 1]")
+    if type(skip_nonfinite) is not bool:
+        flag("skip_nonfinite", skip_nonfinite)
+    _update(target, online, tau, skip_nonfinite, "soft_update")
 
 
 def skipped_updates(target: nn.Module) -> int:
     """How many ``skip_nonfinite`` updates of ``target`` were skipped (0 if none was guarded): a read of a device
     counter, so a sync on a GPU; read it when you log, not every step."""
-    guarded = _GUARDS.get(unwrap(target))
+    guarded = _GUARDS.get(unwrap(target, "target"))
     return 0 if guarded is None else int(guarded[2].skipped.item())
 
 
-def _update(target: nn.Module, online: nn.Module, tau: float, skip_nonfinite: bool = False) -> None:
+def _update(
+    target: nn.Module, online: nn.Module, tau: float, skip_nonfinite: bool = False, caller: str | None = None
+) -> None:
     """One foreach call per group: ``lerp_`` by ``tau`` for floating groups when ``tau < 1``, else ``copy_``; guarded:
-    the online values staged, checked and averaged (or selected) by the target's ``NonFiniteGuard``."""
-    groups = _pairs(target, online)
+    the online values staged, checked and averaged (or selected) by the target's ``NonFiniteGuard``. ``caller``: the
+    public function whose argument order a new pair is checked for (``None``: not checked)."""
+    groups = _pairs(target, online, caller)
     grad_was_enabled = torch.is_grad_enabled()
     torch._C._set_grad_enabled(False)  # what `with torch.no_grad()` does, at a fraction of a small network's update
     try:
@@ -180,13 +201,16 @@ _Cached = tuple[weakref.ref, list[_PairGroup], list[weakref.ref]]
 _CACHE: weakref.WeakKeyDictionary[nn.Module, _Cached] = weakref.WeakKeyDictionary()
 
 
-def _pairs(target: nn.Module, online: nn.Module) -> list[_PairGroup]:
-    """The pair's groups, built on the first call; the target's FSDP2 modules resharded (local), ready to write.
+def _pairs(target: nn.Module, online: nn.Module, caller: str | None) -> list[_PairGroup]:
+    """The pair's groups, built on the first call (after ``_refuse_reversed``); the target's FSDP2 modules resharded
+    (local), ready to write.
 
     Both networks are unwrapped first (``torch.compile``, ``DataParallel``, DDP): the pair is the modules inside."""
-    target, online = unwrap(target), unwrap(online)
+    target, online = unwrap(target, "target"), unwrap(online, "online")
     cached = _CACHE.get(target)
     if cached is None or cached[0]() is not online:
+        if caller is not None:
+            _refuse_reversed(caller, target, online)
         sharded = fsdp_modules(target)  # found once: the updates run every step
         reshard(sharded)  # its sharded parameters registered, to build the lists from
         cached = (weakref.ref(online), _build(target, online), [weakref.ref(m) for m in sharded])
@@ -194,6 +218,18 @@ def _pairs(target: nn.Module, online: nn.Module) -> list[_PairGroup]:
     if cached[2]:
         reshard([m for m in (ref() for ref in cached[2]) if m is not None])
     return cached[1]
+
+
+def _refuse_reversed(caller: str, target: nn.Module, online: nn.Module) -> None:
+    """Refuse a trainable ``target`` with an ``online`` whose parameters are all frozen: the networks passed in
+    stable-baselines3's ``polyak_update(params, target_params)`` order, which would overwrite the trained network."""
+    sources = [p.requires_grad for p in online.parameters()]
+    if sources and not any(sources) and any(p.requires_grad for p in target.parameters()):
+        raise ValueError(
+            f"{caller}(target, online): target requires grad and online is frozen (requires_grad=False everywhere, "
+            "as make_target leaves a target): the arguments look reversed; pass the network you train second "
+            "(stable-baselines3's polyak_update takes them the other way round: (params, target_params))"
+        )
 
 
 def _build(target: nn.Module, online: nn.Module) -> list[_PairGroup]:
@@ -227,4 +263,8 @@ def _build(target: nn.Module, online: nn.Module) -> list[_PairGroup]:
         group = groups.setdefault((t.device, t.dtype), _PairGroup(average=t.is_floating_point()))
         group.target.append(t, t_owner)
         group.online.append(o, o_owner)
+    if not any(group.average for group in groups.values()):
+        raise ValueError(
+            f"target and online ({type(online).__name__}) have no floating parameters or buffers: nothing to update"
+        )
     return list(groups.values())
