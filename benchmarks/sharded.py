@@ -173,6 +173,11 @@ def rank_main(rank: int, world: int, port: str, quick: bool, budget_s: float, ou
     torch.save(result, out / f"world{world}_rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
+    # FSDP2's state keeps the group, so gloo's threads outlive destroy_process_group; one dropping a tensor with Python
+    # state while a normal exit finalizes the interpreter aborts the rank (SIGABRT, "terminate called without an
+    # active exception"). Ending without finalizing leaves them nothing to touch; the results file is closed.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def free_port() -> str:

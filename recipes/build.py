@@ -8,7 +8,9 @@ from ``callbacks.ema`` becomes ``callbacks.ema.decay must be ...``), for ``train
 from __future__ import annotations
 
 import inspect
+import math
 import warnings
+from collections.abc import Sized
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -83,7 +85,23 @@ def build(cfg: DictConfig) -> tuple[pl.Trainer, pl.LightningModule, pl.Lightning
     callbacks = [c for c in callbacks if c is not None]  # a factory may make none: progress_bar when bars are off
     loggers = [_instantiate(cfg, f"logger.{k}") for k, c in (cfg.get("logger") or {}).items() if c is not None]
     trainer = _instantiate(cfg, "trainer", callbacks=callbacks, logger=loggers or False)
+    _log_within_an_epoch(trainer, datamodule)
     return trainer, model, datamodule
+
+
+def _log_within_an_epoch(trainer: pl.Trainer, datamodule: object) -> None:
+    """Lower ``trainer.log_every_n_steps`` to the batches of one epoch where an epoch has fewer: a small folder's
+    epoch would otherwise log no training step, and Lightning warns that it will not. A longer epoch keeps the
+    configured cadence (the digits' runs log as they did), and so does a data module that cannot tell its training
+    set's size and batch size before it is set up."""
+    train_set, batch_size = getattr(datamodule, "train_set", None), getattr(datamodule, "batch_size", None)
+    if not isinstance(train_set, Sized) or not isinstance(batch_size, int):
+        return
+    # Per rank, as Lightning counts them: a distributed sampler gives each rank ceil(size / ranks) samples.
+    batches = math.ceil(math.ceil(len(train_set) / trainer.world_size) / batch_size)
+    limit = trainer.limit_train_batches
+    batches = min(batches, limit) if isinstance(limit, int) else int(batches * limit)
+    trainer.log_every_n_steps = max(1, min(trainer.log_every_n_steps, batches))
 
 
 def ignore_expected_warnings(model: object = None) -> None:

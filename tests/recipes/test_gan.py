@@ -9,7 +9,9 @@ here pins a network's size."""
 
 from __future__ import annotations
 
+import csv
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +28,14 @@ from recipes.gan import GAN, _bce, discriminator_loss
 from recipes.networks import ConvDiscriminator, ConvGenerator, has_batch_norm
 from tests.conftest import (
     DEVICES,
+    ON_CPU,
     OWN_IMAGES,
     QUIET,
     compose_config,
     fit_on_a_uniform_folder,
     run_train,
     warning_lines,
+    write_images,
     write_own_images,
 )
 
@@ -205,6 +209,33 @@ def test_short_run_writes_samples_and_summary(tmp_path: Path) -> None:
     average, live = checkpoint["generator_ema"]["shadow"], checkpoint["generator_live"]
     assert all(torch.equal(loaded.generator.state_dict()[k], v) for k, v in average.items())
     assert any(not torch.equal(live[k], v) for k, v in average.items())  # not vacuous: the two differ
+
+
+@pytest.mark.parametrize("follow", [True, False], ids=["cadence-follows-the-epoch", "control-configured-10"])
+def test_a_folder_whose_epoch_is_shorter_than_the_logging_interval_logs_its_steps(follow: bool, tmp_path: Path) -> None:
+    """40 images, 36 to train on in batches of 16: 3 batches an epoch, fewer than the configured
+    ``log_every_n_steps=10``. Built as ``train.py`` builds it, the trainer logs every 3 steps, so each epoch's last step
+    is in metrics.csv and Lightning warns of nothing. The control puts the configured 10 back: no training step is
+    logged in the 6 steps and Lightning warns that it will not."""
+    from recipes.build import build
+
+    root = write_images(tmp_path / "images", 40, size=32, channels=1)
+    args = ["+recipe=gan", "data=images", f"data.root={root}", "data.batch_size=16", ON_CPU, *QUIET, *SHORT]
+    trainer, model, datamodule = build(compose_config(*args, "trainer.max_epochs=2", output_dir=tmp_path / "run"))
+    assert trainer.log_every_n_steps == 3
+    if not follow:
+        trainer.log_every_n_steps = 10
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, datamodule=datamodule)
+    short = [w for w in caught if "smaller than the logging interval" in str(w.message)]
+    metrics = tmp_path / "run" / "metrics.csv"  # the logger writes none when nothing was logged
+    rows = list(csv.DictReader(metrics.open())) if metrics.exists() else []
+    logged = [row["step"] for row in rows if row.get("train/d_loss")]
+    if follow:
+        assert not short and len(logged) == 2, (short, logged)  # one row an epoch
+    else:
+        assert short and not logged
 
 
 def test_unlabelled_images_get_frechet_figures_and_a_monitored_best_checkpoint(

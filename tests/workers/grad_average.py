@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from copy_correct import GradientAverager
 from copy_correct.probes import CopyAudit
+from tests.workers import end_rank
 
 
 def main(rank: int, out: Path) -> None:
@@ -41,7 +42,7 @@ def main(rank: int, out: Path) -> None:
          "allocated": torch.tensor(audit.bytes_allocated)},
         out / f"rank{rank}.pt",
     )  # fmt: skip
-    dist.destroy_process_group()
+    end_rank()
 
 
 if __name__ == "__main__":

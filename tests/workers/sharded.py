@@ -40,6 +40,7 @@ from benchmarks.sharded import GatheredEMA
 from copy_correct import EMA, hard_update, make_target, soft_update
 from copy_correct._sharding import local, local_part
 from copy_correct.probes import CollectiveProbe, MemoryProbe, shares_storage, storage_key
+from tests.workers import end_rank
 
 STEPS = 6
 
@@ -375,7 +376,7 @@ def main(rank: int, out: Path) -> None:
         "mixed": mixed_precision_checks(rank, mesh),
     }
     torch.save(results, out / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    end_rank()
 
 
 if __name__ == "__main__":

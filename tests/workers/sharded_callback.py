@@ -22,7 +22,6 @@ from unittest import mock
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -32,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from copy_correct._sharding import is_sharded
 from copy_correct.lightning import EMACallback
 from tests.lightning.test_ema_callback import Regressor, loader
-from tests.workers import join_as_lightning_rank
+from tests.workers import end_rank, join_as_lightning_rank
 from tests.workers.without_state import EMACallbackWithoutState
 
 
@@ -108,7 +107,7 @@ def main(rank: int, out: Path) -> None:
     torch.save(results, out / f"rank{rank}.pt")
     if rank == 0:
         torch.save(truths, out / "truth.pt")
-    dist.barrier()
+    end_rank()
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -29,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from copy_correct._sharding import local
 from copy_correct.lightning import PostHocEMACallback
 from tests.lightning.test_ema_callback import loader
-from tests.workers import join_as_lightning_rank
+from tests.workers import end_rank, join_as_lightning_rank
 from tests.workers.sharded_callback import ShardedRegressor, full
 
 KWARGS: dict[str, Any] = {"snapshot_every": 2, "module": "net"}
@@ -95,7 +94,7 @@ def main(rank: int, out: Path) -> None:
         results[f"resumed-{kind}"], _ = fit(out / f"resumed-{kind}", distributed, ckpt_path=second)
     results["control"], _ = fit(out / "control", True, out / "straight-dcp" / "epoch=1.ckpt", WithoutState)
     torch.save(results, out / f"rank{rank}.pt")
-    dist.barrier()
+    end_rank()
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from copy_correct import PowerEMA, synthesize
 from copy_correct.posthoc_ema import snapshot_paths
 from copy_correct.probes import CollectiveProbe, CopyAudit
+from tests.workers import end_rank
 from tests.workers.sharded import batch, cpu, full, mirror, network, shard, train_step
 
 STEPS = 7  # snapshots at 2, 4, 6; the last update writes none
@@ -113,7 +114,7 @@ def main(rank: int, out: Path) -> None:
     torch.set_num_threads(1)
     results = checks(rank, out)
     torch.save(results, out / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    end_rank()
 
 
 if __name__ == "__main__":
