@@ -14,6 +14,12 @@ Copy contract:
   that rank's shards (plain tensors, ``to_local()``'s shapes) without a gather or any collective; snapshots of
   different ranks or spreads are refused together.
 
+Where the snapshots are: ``synthesize`` and ``copy-correct posthoc`` (``copy_correct.cli``) take a run's directory or
+its folder of snapshots (``power_ema/``, beside the checkpoints); ``snapshot_folder`` finds the one folder of
+snapshot files (``SNAPSHOT_PATTERNS``) at or below it, and names the path and the patterns when there is none. Bad
+arguments (a number for ``snapshots``, a ``sigma_rel`` that is not a number in ``(0, SIGMA_REL_MAX)``, a ``step`` that
+is not an integer >= 1) raise one line naming the argument before any file is read.
+
 The coefficients are ``copy_correct.power_function.solve_coefficients``: float64 least squares on the profiles'
 closed-form inner products, normalised to sum to 1, snapshots after the target step left out. EDM2 reconstructs at a
 snapshot's step; at a step between two snapshots the result is the best fit from the snapshots before it (the weights
@@ -22,7 +28,9 @@ of the steps since the last one are missing from it, and no weight of a later st
 
 from __future__ import annotations
 
+import numbers
 import os
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -30,11 +38,20 @@ from typing import Any
 import torch
 
 from copy_correct.power_ema import SNAPSHOT_FORMAT
-from copy_correct.power_function import solve_coefficients
+from copy_correct.power_function import sigma_rel_to_gamma, solve_coefficients
 
-__all__ = ["load_snapshot", "snapshot_paths", "synthesis_coefficients", "synthesize"]
+__all__ = [
+    "SNAPSHOT_PATTERNS",
+    "load_snapshot",
+    "snapshot_folder",
+    "snapshot_paths",
+    "synthesis_coefficients",
+    "synthesize",
+]
 
 Snapshot = str | os.PathLike | Mapping[str, Any]  # a snapshot file's path, or a snapshot state (PowerEMA.snapshot())
+# The files PowerEMA.save_snapshot writes: of an unsharded model, and of each rank of a sharded one.
+SNAPSHOT_PATTERNS = ("power-ema-?????????.pt", "power-ema-?????????-rank*of*.pt")
 
 
 def snapshot_paths(directory: str | os.PathLike[str], rank: int | None = None) -> list[Path]:
@@ -42,6 +59,25 @@ def snapshot_paths(directory: str | os.PathLike[str], rank: int | None = None) -
     an unsharded model, or with ``rank``, that rank's of a sharded one."""
     pattern = "power-ema-?????????.pt" if rank is None else f"power-ema-?????????-rank{rank}of*.pt"
     return sorted(Path(directory).glob(pattern))
+
+
+def snapshot_folder(path: str | os.PathLike[str]) -> Path:
+    """The one folder of snapshot files (``SNAPSHOT_PATTERNS``) that is ``path`` or lies below it: a run's directory
+    gives its ``power_ema/``. A ``ValueError`` naming ``path`` and the patterns when there is none, naming the
+    folders when there are several."""
+    path = Path(path)
+    files = f"files {' or '.join(SNAPSHOT_PATTERNS)}, which PostHocEMACallback writes into power_ema/"
+    if not path.is_dir():
+        what = "is a file" if path.exists() else "does not exist"
+        raise ValueError(f"no PowerEMA snapshots at {path}: it {what} ({files}): give the run's directory")
+    if any(next(path.glob(pattern), None) for pattern in SNAPSHOT_PATTERNS):
+        return path
+    found = sorted({p.parent for pattern in SNAPSHOT_PATTERNS for p in path.rglob(pattern)})
+    if not found:
+        raise ValueError(f"no PowerEMA snapshots in {path} or below it ({files}): give the run's directory")
+    if len(found) > 1:
+        raise ValueError(f"{path} holds {len(found)} folders of snapshots ({found[0]}, {found[1]}, ...): give one")
+    return found[0]
 
 
 def load_snapshot(path: str | os.PathLike[str]) -> Mapping[str, Any]:
@@ -72,18 +108,21 @@ def synthesize(
     snapshots: str | os.PathLike[str] | Iterable[Snapshot], sigma_rel: float, step: int | None = None
 ) -> dict[str, torch.Tensor]:
     """The power-function EMA of ``sigma_rel`` at optimizer step ``step`` (default: the latest snapshot's), as a
-    ``state_dict`` of new CPU tensors, from snapshots: a directory of them, or paths and snapshot states
-    (``PowerEMA.snapshot()``). Snapshots after ``step`` are not used."""
+    ``state_dict`` of new CPU tensors, from snapshots: a run's directory or its folder of snapshots
+    (``snapshot_folder``), or a list of paths and snapshot states (``PowerEMA.snapshot()``). Snapshots after ``step``
+    are not used. ``TypeError``/``ValueError`` naming the argument for bad arguments (module docstring)."""
+    _check_arguments(snapshots, sigma_rel, step)
     if isinstance(snapshots, (str, os.PathLike)):
-        directory, snapshots = snapshots, snapshot_paths(snapshots)
-        if not snapshots and any(Path(directory).glob("power-ema-*-rank*.pt")):
+        directory = snapshot_folder(snapshots)
+        snapshots = snapshot_paths(directory)
+        if not snapshots and any(directory.glob("power-ema-*-rank*.pt")):
             raise ValueError(
                 f"{directory} holds the snapshots of a sharded model: synthesize each rank's shards from its own "
                 "files, synthesize(snapshot_paths(directory, rank=r), ...)"
             )
-    states = [
-        _checked(s, f"snapshot {i}") if isinstance(s, Mapping) else load_snapshot(s) for i, s in enumerate(snapshots)
-    ]
+    states = [_state(s, i) for i, s in enumerate(snapshots)]
+    if not states:
+        raise ValueError("snapshots is empty: no snapshot to reconstruct from")
     spreads = {(s.get("rank"), s.get("world_size"), repr(s.get("layout"))) for s in states}
     if len(spreads) > 1:
         ranks = sorted({f"rank {rank} of {world}" if rank is not None else "unsharded" for rank, world, _ in spreads})
@@ -106,6 +145,29 @@ def synthesize(
     return out
 
 
+def _check_arguments(snapshots: Any, sigma_rel: Any, step: Any) -> None:
+    if isinstance(snapshots, (Mapping, bytes)) or not isinstance(snapshots, (str, os.PathLike, Iterable)):
+        raise TypeError(
+            "snapshots must be a run's directory, its folder of snapshots, or a list of snapshot paths and states, "
+            f"got {type(snapshots).__name__} {snapshots!r:.60}"
+        )
+    sigma_rel_to_gamma(sigma_rel)  # "sigma_rel must be a number in (0, ...)"
+    if step is not None and (isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1):
+        raise ValueError(
+            f"step must be an integer >= 1 (an optimizer step), or None for the latest snapshot's, got {step!r}"
+        )
+
+
+def _state(snapshot: Any, index: int) -> Mapping[str, Any]:
+    if isinstance(snapshot, Mapping):
+        return _checked(snapshot, f"snapshot {index}")
+    if isinstance(snapshot, (str, os.PathLike)):
+        return load_snapshot(snapshot)
+    raise TypeError(
+        f"snapshots[{index}] must be a snapshot file's path or a snapshot state, got {type(snapshot).__name__}"
+    )
+
+
 def _combine(name: str, reference: torch.Tensor, terms: list[tuple[torch.Tensor, float]]) -> torch.Tensor:
     if not reference.is_floating_point():
         return reference.clone()  # integer buffers (step counts): the latest snapshot's
@@ -121,3 +183,11 @@ def _checked(state: Any, where: str) -> Mapping[str, Any]:
     if not isinstance(state, Mapping) or state.get("format") != SNAPSHOT_FORMAT:
         raise ValueError(f"{where} is not a PowerEMA snapshot (format {SNAPSHOT_FORMAT!r})")
     return state
+
+
+if __name__ == "__main__":  # python -m copy_correct.posthoc_ema: a library module, not the command
+    print(
+        "copy_correct.posthoc_ema is not a command: run `copy-correct posthoc RUN_DIR --sigma-rel 0.08`",
+        file=sys.stderr,
+    )
+    sys.exit(2)

@@ -13,8 +13,9 @@ run, ``pyproject.toml`` and a README naming what to change first. Nothing is lis
 * A copied module's own test (``OWN_TESTS``: ``copy_correct/ema.py`` -> ``tests/parts/test_ema.py``,
   ``copy_correct/lightning/ema_callback.py`` -> ``tests/lightning/test_ema_callback.py``) comes with it, and with
   the modules it needs (the probes it measures with), unless it needs a recipe or a script.
-* A command that belongs with a copied module (``COMMANDS``: ``PostHocEMACallback`` -> ``scripts/posthoc_ema.py``)
-  comes with it.
+* A command that belongs with a copied module (``COMMANDS``: ``PostHocEMACallback`` -> ``copy-correct posthoc``,
+  ``copy_correct/cli.py`` and ``copy_correct/__main__.py``) comes with it, installed by the starter's
+  ``pyproject.toml`` as ours installs it (``[project.scripts]``); a starter without it has no ``[project.scripts]``.
 * Other tests: each test file that imports something the starter has and nothing it lacks, and that names
   no file or module it lacks (``"scripts/x.py"``, ``"scripts.x"`` run with ``-m``) and no other recipe
   (``"+recipe=gan"``, or a recipe's name among
@@ -53,8 +54,10 @@ OWN_TESTS = {
     "recipes": f"{TESTS}.recipes",
     "recipes.data": f"{TESTS}.recipes",
 }
-# A command that belongs with a copied module: the starter that has the module gets the command (and its test runs).
-COMMANDS = {"copy_correct.lightning.posthoc_ema_callback": "scripts.posthoc_ema"}
+# A command that belongs with a copied module: the starter that has the module gets the command's modules (and its
+# test runs). The command itself is installed by pyproject.toml's [project.scripts] (CLI is the module it names).
+COMMANDS = {"copy_correct.lightning.posthoc_ema_callback": ("copy_correct.cli", "copy_correct.__main__")}
+CLI = "copy_correct.cli"
 _RECIPE_REF = re.compile(r"(?<![\w.])\+{0,2}recipe=(\w+)")
 _DEP_NAME = re.compile(r'^\s*"([A-Za-z0-9][A-Za-z0-9._-]*)')
 
@@ -278,11 +281,11 @@ def plan(recipe: str, name: str, root: Path = ROOT) -> Starter:
             roots |= found.modules
             conf_third_party |= found.third_party
     modules = _closure(tree, tree.with_packages(roots), recipe)
-    commands = {COMMANDS[m] for m in modules if m in COMMANDS and COMMANDS[m] in tree.paths}
+    commands = {c for m in modules if m in COMMANDS for c in COMMANDS[m] if c in tree.paths}
     modules = _with_own_tests(tree, _closure(tree, tree.with_packages(modules | commands), recipe), recipe)
     modules |= tree.with_packages(_runnable_tests(tree, modules, recipe))
     third_party = conf_third_party.union(*(tree.needs(m).third_party for m in modules))
-    pyproject, dependencies, dropped, added = _pyproject(root, name, recipe, third_party)
+    pyproject, dependencies, dropped, added = _pyproject(root, name, recipe, third_party, CLI in modules)
     files: dict[str, Path | str] = {path.relative_to(root).as_posix(): path for path in conf_files}
     for module in sorted(modules):
         relative = tree.paths[module].relative_to(root).as_posix()
@@ -416,9 +419,14 @@ def _filter_docstring(text: str, dropped: set[str]) -> str:
     return "\n\n".join(paragraphs) + "\n"
 
 
-def _pyproject(root: Path, name: str, recipe: str, imports: set[str]) -> tuple[str, list[str], list[str], list[str]]:
-    """Ours with a new name and description, and only the dependencies the copied code imports."""
+def _pyproject(
+    root: Path, name: str, recipe: str, imports: set[str], has_cli: bool
+) -> tuple[str, list[str], list[str], list[str]]:
+    """Ours with a new name and description, and only the dependencies the copied code imports; its
+    ``[project.scripts]`` only when the starter has the command's module (``has_cli``)."""
     text = (root / "pyproject.toml").read_text()
+    if not has_cli:
+        text = re.sub(r"^\[project\.scripts\]\n.*?(?=^\[|\Z)", "", text, flags=re.M | re.S)
     # A starter has no docs site: no `docs` extra; nor our benchmarks' peers; nor the Atari games, unless its code
     # plays them. The extras it keeps that ours name itself (`copy-correct[atari]`) name the starter instead.
     ours = re.search(r'^name = "(.*)"$', text, re.M)[1]

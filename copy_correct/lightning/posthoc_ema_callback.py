@@ -1,5 +1,6 @@
 """``PostHocEMACallback``: ``PowerEMA`` profiles of a LightningModule during ``fit``, snapshotted into the run's
-checkpoint directory for post-hoc EMA (``python -m scripts.posthoc_ema RUN_DIR --sigma-rel 0.08``).
+checkpoint directory for post-hoc EMA: ``copy-correct posthoc RUN_DIR --sigma-rel 0.08`` (the command installed with
+the package, ``copy_correct.cli``) writes checkpoints of the synthesized weights beside the run's.
 
 Copy contract: the profiles are the ``PowerEMA``'s own tensors (see ``copy_correct.power_ema``): never a deep copy of
 the module, never in its ``parameters()``, updated in place with no allocation and no host read. The module's weights
@@ -15,26 +16,44 @@ weights as Lightning saves them.
   command takes the module's other weights from the run's checkpoint.
 * Snapshots go to ``snapshot_dir``, by default ``power_ema/`` in the ``ModelCheckpoint``'s directory (the
   trainer's ``default_root_dir`` without one), written by global rank 0 only (every rank its own files, for a
-  sharded model), atomically.
+  sharded model), atomically: every ``snapshot_every`` steps, and once more when ``fit`` ends (``on_train_end``, so
+  not after an exception) if it updated the profiles since the last one, so a run shorter than ``snapshot_every``
+  or ending between two leaves its last step to synthesize from. That final snapshot says so (``"final": True``); it
+  only reads the profiles, after the last checkpoint was saved. A run resumed from that step removes it once it writes
+  a later snapshot, so a stopped and resumed run ends with the files of a run that was not stopped.
 * Checkpoints hold the ``PowerEMA`` state (callback state, tensors and numbers only: loads with
   ``weights_only=True``); ``fit(ckpt_path=...)`` restores it, so a resumed run continues the profiles and the
   snapshots bit for bit.
 * Sharded (FSDP2, Lightning's ``ModelParallelStrategy``): each rank keeps the profiles of its own shards (see
   ``copy_correct.power_ema``), updated with no collective, and every rank writes its own snapshot files
-  (``power-ema-STEP-rankRofW.pt``; ``python -m scripts.posthoc_ema`` combines each rank's into its shards and joins
-  them). Before each update rank 0's floating buffers are copied into every rank's module (one broadcast per dtype),
-  as ``EMACallback`` does: FSDP2 never synchronises BatchNorm statistics, and a distributed checkpoint keeps one copy
-  of a tensor that is not sharded, so only then do all ranks average, save and resume the same buffers. Checkpoints
-  hold the profiles as Lightning holds the weights: in a distributed checkpoint (a directory, the
-  default) each rank writes its shards beside the weights' (the callback state names each tensor's key there and its
-  layout) and reads them back on resume; with ``save_distributed_checkpoint=False`` (one file) the profiles are
-  gathered into full tensors, of which each rank takes its own part back on resume. A checkpoint spread otherwise
-  than the model (another world size or placement) is refused, naming both (``CheckpointMismatch``, a
-  ``ValueError``): the snapshot files of one run are of one spread. ``skip_nonfinite`` is refused there, as
-  ``PowerEMA`` refuses it.
+  (``power-ema-STEP-rankRofW.pt``, the final snapshot too: every rank takes it, deciding on the step alone;
+  ``copy-correct posthoc`` combines each rank's into its shards and joins them). Before each update rank 0's
+  floating buffers are copied into every rank's module (one broadcast per dtype), as ``EMACallback`` does: FSDP2
+  never synchronises BatchNorm statistics, and a distributed checkpoint keeps one copy of a tensor that is not
+  sharded, so only then do all ranks average, save and resume the same buffers. Checkpoints hold the profiles as
+  Lightning holds the weights: in a distributed checkpoint (a directory, the default) each rank writes its shards
+  beside the weights' (the callback state names each tensor's key there and its layout) and reads them back on
+  resume; with ``save_distributed_checkpoint=False`` (one file) the profiles are gathered into full tensors, of
+  which each rank takes its own part back on resume. A checkpoint spread otherwise than the model (another world
+  size or placement) is refused, naming both (``CheckpointMismatch``, a ``ValueError``): the snapshot files of one
+  run are of one spread. ``skip_nonfinite`` is refused there, as ``PowerEMA`` refuses it.
 * ``skip_nonfinite=True``: an update whose live weights or floating buffers hold a NaN or an Inf is skipped on the
   device, leaving every profile as it was (``copy_correct.power_ema`` says what the profiles then are); the count is
   logged as ``posthoc_ema/skipped`` at the end of each training epoch, read from the device once per epoch.
+
+After training, a checkpoint of the averaged weights that ``load_from_checkpoint`` reads, from the command (which
+prints the path it wrote, beside the run's checkpoints: ``posthoc-ema-sigma0.080-step000000300.ckpt``)::
+
+    copy-correct posthoc RUN_DIR --sigma-rel 0.08
+    model = MyModule.load_from_checkpoint(path)
+
+or in Python, from the run's last checkpoint (one file) and ``synthesize`` (the averaged entries of its
+``state_dict``: all of them, or those of ``module``)::
+
+    checkpoint = torch.load("RUN_DIR/checkpoints/last.ckpt", weights_only=True)
+    checkpoint["state_dict"].update(synthesize("RUN_DIR", sigma_rel=0.08))
+    torch.save(checkpoint, "ema.ckpt")
+    model = MyModule.load_from_checkpoint("ema.ckpt")
 """
 
 from __future__ import annotations
@@ -50,6 +69,7 @@ from copy_correct._sharding import is_sharded, layout
 from copy_correct.errors import CheckpointMismatch
 from copy_correct.lightning._distributed_state import read_into, store_under_keys
 from copy_correct.lightning._rank_zero_buffers import RankZeroBuffers
+from copy_correct.posthoc_ema import load_snapshot
 from copy_correct.power_ema import PowerEMA, snapshot_name
 
 __all__ = ["PostHocEMACallback"]
@@ -90,6 +110,9 @@ class PostHocEMACallback(pl.Callback):
         self.power_ema: PowerEMA | None = None
         self._pending: dict[str, Any] | None = None
         self._last_step = 0
+        self._fit_start_step = 0  # the profiles' step when this fit started training
+        self._written: Path | None = None  # this fit's last snapshot
+        self._stale: Path | None = None  # the final snapshot of the fit this one resumed, removed at the next one
 
     @property
     def state_key(self) -> str:
@@ -124,6 +147,21 @@ class PostHocEMACallback(pl.Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step = trainer.global_step  # after Lightning restored a resumed run's counters
+        self._written = self._stale = None
+        if self.power_ema is not None and self._directory is not None:
+            self._fit_start_step = self.power_ema.step
+            if self.power_ema.step > 0:
+                resumed_at = self._directory / self._snapshot_name(self.power_ema.applied_step)
+                if resumed_at.is_file() and load_snapshot(resumed_at).get("final", False):
+                    self._stale = resumed_at
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The final snapshot: when this fit updated the profiles since its last snapshot (module docstring)."""
+        ema = self.power_ema
+        if ema is None or self._directory is None or ema.step == self._fit_start_step:
+            return
+        if self._written is None or self._written.name != self._snapshot_name(ema.applied_step):
+            self.save_snapshot(self._directory, final=True)
 
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
@@ -143,9 +181,11 @@ class PostHocEMACallback(pl.Callback):
                 "posthoc_ema/skipped", float(self.power_ema.skipped), on_step=False, on_epoch=True, rank_zero_only=True
             )
 
-    def save_snapshot(self, directory: str | Path) -> Path:
+    def save_snapshot(self, directory: str | Path, *, final: bool = False) -> Path:
         """Write the profiles as they are now to ``directory / snapshot_name(step)`` atomically (what the schedule
-        does); the path. Names as in the LightningModule's ``state_dict``; with ``module``, the snapshot says which."""
+        does); the path. Names as in the LightningModule's ``state_dict``; with ``module``, the snapshot says which;
+        ``final``: the snapshot taken when ``fit`` ends. Removes the resumed fit's final snapshot (module docstring)
+        once this one is written elsewhere."""
         if self.power_ema is None:
             raise RuntimeError("PostHocEMACallback.save_snapshot before fit started: there are no profiles yet")
         state = self.power_ema.snapshot()
@@ -155,8 +195,24 @@ class PostHocEMACallback(pl.Callback):
             state["profiles"] = [{prefix + name: t for name, t in profile.items()} for profile in state["profiles"]]
             if "layout" in state:
                 state["layout"] = {prefix + name: spread for name, spread in state["layout"].items()}
-        name = snapshot_name(state["step"], state.get("rank"), state.get("world_size"))
-        return atomic_save(state, Path(directory) / name)
+        if final:
+            state["final"] = True
+        path = atomic_save(
+            state, Path(directory) / snapshot_name(state["step"], state.get("rank"), state.get("world_size"))
+        )
+        if self._stale is not None and self._stale != path:
+            self._stale.unlink(missing_ok=True)
+            self._stale = None
+        self._written = path
+        return path
+
+    def _snapshot_name(self, step: int) -> str:
+        """This rank's file name for a snapshot of ``step`` (``snapshot_name``, with the rank when sharded)."""
+        if self.power_ema is None or not self.power_ema.sharded:
+            return snapshot_name(step)
+        import torch.distributed as dist
+
+        return snapshot_name(step, dist.get_rank(), dist.get_world_size())
 
     # -- checkpoints ----------------------------------------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """``PostHocEMACallback`` under Lightning's ``ModelParallelStrategy`` (FSDP2), 2 CPU processes over gloo
 (``tests/workers/sharded_posthoc_ema.py``): every rank snapshots its own shards; joined, the snapshots equal the power
 EMA of the gathered weights bit for bit; checkpoints (a distributed checkpoint's directory, or one file) resume the
-profiles bit for bit; ``python -m scripts.posthoc_ema`` writes a checkpoint of full weights from the ranks' files.
+profiles bit for bit; ``copy-correct posthoc`` writes a checkpoint of full weights from the ranks' files.
 Controls: a resume that ignores the callback state ends with other profiles; one rank's files alone are not the
 model."""
 
@@ -16,8 +16,8 @@ import torch
 from torch import nn
 
 from copy_correct import PowerEMA, synthesize
+from copy_correct.posthoc_command import join_shards
 from copy_correct.posthoc_ema import load_snapshot, snapshot_paths
-from scripts.posthoc_ema import join_shards
 from tests.conftest import ROOT, child_env, run_rank_script
 
 STEPS = 16  # 4 epochs of 4 optimizer steps
@@ -117,7 +117,7 @@ def test_the_command_writes_one_checkpoint_of_full_weights_from_the_ranks_files(
 ) -> None:
     out, _, _ = runs
     result = subprocess.run(
-        [sys.executable, "-m", "scripts.posthoc_ema", str(out / f"straight-{kind}"), "--sigma-rel", "0.08"],
+        [sys.executable, "-m", "copy_correct", "posthoc", str(out / f"straight-{kind}"), "--sigma-rel", "0.08"],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env(),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]

@@ -1,6 +1,8 @@
 """PostHocEMACallback in real Trainers: one update per optimizer step with gradient accumulation (the profiles equal a
-PowerEMA fed the weights after each optimizer step), snapshots in the checkpoint directory, exact resume; and
-``python -m scripts.posthoc_ema`` writing checkpoints that ``load_from_checkpoint`` reads as the synthesized EMA."""
+PowerEMA fed the weights after each optimizer step), snapshots in the checkpoint directory and a final one when fit
+ends off the schedule (which changes nothing in training), exact resume; and ``copy-correct posthoc`` (here as
+``python -m copy_correct posthoc``) writing checkpoints that ``load_from_checkpoint`` reads as the synthesized EMA.
+tests/package/test_cli.py runs the installed command outside the clone."""
 
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from copy_correct import PowerEMA, synthesize
 from copy_correct.lightning import PostHocEMACallback
 from copy_correct.posthoc_ema import load_snapshot, snapshot_paths
 from tests.conftest import ROOT, child_env
+
+COMMAND = [sys.executable, "-m", "copy_correct", "posthoc"]  # copy-correct posthoc, from this checkout
 
 
 class Regressor(pl.LightningModule):
@@ -98,6 +102,9 @@ def test_resume_continues_the_profiles_and_snapshots_bit_for_bit(tmp_path: Path)
     fit(tmp_path / "straight", [straight], epochs=2)
     fit(tmp_path / "resumed", [PostHocEMACallback(snapshot_every=4)], epochs=1)  # step 6: between two snapshots
     last = tmp_path / "resumed" / "checkpoints" / "last.ckpt"
+    stopped = snapshot_paths(tmp_path / "resumed" / "checkpoints" / "power_ema")
+    assert [p.name for p in stopped] == ["power-ema-000000004.pt", "power-ema-000000006.pt"]  # 6: the final one
+    assert load_snapshot(stopped[1])["final"]
     checkpoint = torch.load(last, weights_only=True)
     assert any("PostHocEMACallback" in key for key in checkpoint["callbacks"])
     checkpoint["callbacks"] = {k: v for k, v in checkpoint["callbacks"].items() if "PostHocEMACallback" not in k}
@@ -108,7 +115,7 @@ def test_resume_continues_the_profiles_and_snapshots_bit_for_bit(tmp_path: Path)
     for ours, expected in zip(resumed.power_ema.profiles, straight.power_ema.profiles, strict=True):
         assert all(torch.equal(ours[k], v) for k, v in expected.items())
     snapshots = [snapshot_paths(tmp_path / run / "checkpoints" / "power_ema") for run in ("straight", "resumed")]
-    assert [p.name for p in snapshots[0]] == [p.name for p in snapshots[1]]
+    assert [p.name for p in snapshots[0]] == [p.name for p in snapshots[1]]  # step 6's final one removed at step 8
     for a, b in zip(*snapshots, strict=True):
         sa, sb = load_snapshot(a), load_snapshot(b)
         assert sa["step"] == sb["step"]
@@ -120,10 +127,42 @@ def test_resume_continues_the_profiles_and_snapshots_bit_for_bit(tmp_path: Path)
     assert not torch.equal(fresh.power_ema.profiles[0]["net.0.weight"], straight.power_ema.profiles[0]["net.0.weight"])
 
 
+class WithoutFinalSnapshot(PostHocEMACallback):
+    """The control: the callback as it was before it took a final snapshot."""
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        pass
+
+
+def test_a_fit_shorter_than_snapshot_every_ends_with_a_final_snapshot_that_changes_nothing(tmp_path: Path) -> None:
+    """The default ``snapshot_every=1000`` and a 12-step fit: one snapshot, of step 12, taken when fit ends, holding
+    the profiles as they ended; the run's weights, checkpoint and random generator are those of the run without it,
+    which leaves nothing to synthesize from."""
+    ended, callbacks = {}, {"final": PostHocEMACallback(), "control": WithoutFinalSnapshot()}
+    for name, callback in callbacks.items():
+        trainer = fit(tmp_path / name, [callback], epochs=2)
+        checkpoint = torch.load(tmp_path / name / "checkpoints" / "last.ckpt", weights_only=True)
+        ended[name] = (trainer.lightning_module.state_dict(), checkpoint["state_dict"], torch.get_rng_state())
+        assert callback.power_ema is not None and callback.power_ema.step == 12
+    paths = snapshot_paths(tmp_path / "final" / "checkpoints" / "power_ema")
+    assert [p.name for p in paths] == ["power-ema-000000012.pt"]
+    final, ema = load_snapshot(paths[0]), callbacks["final"].power_ema
+    assert final["step"] == 12 and final["final"] and ema is not None
+    for stored, kept in zip(final["profiles"], ema.profiles, strict=True):
+        assert all(torch.equal(stored[k], v) for k, v in kept.items())
+    for with_final, without in zip(ended["final"], ended["control"], strict=True):
+        if isinstance(with_final, dict):
+            assert all(torch.equal(with_final[k], without[k]) for k in without)
+        else:
+            assert torch.equal(with_final, without)
+    with pytest.raises(ValueError, match="no PowerEMA snapshots in"):
+        synthesize(tmp_path / "control", 0.08)
+
+
 def test_the_command_writes_checkpoints_load_from_checkpoint_reads_as_the_synthesized_ema(tmp_path: Path) -> None:
     fit(tmp_path, [PostHocEMACallback(snapshot_every=2)], epochs=2)
     result = subprocess.run(
-        [sys.executable, "-m", "scripts.posthoc_ema", str(tmp_path), "--sigma-rel", "0.08", "0.15", "--step", "10"],
+        [*COMMAND, str(tmp_path), "--sigma-rel", "0.08", "0.15", "--step", "10"],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env(),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -140,10 +179,11 @@ def test_the_command_writes_checkpoints_load_from_checkpoint_reads_as_the_synthe
     assert not torch.equal(live.net[0].weight, Regressor.load_from_checkpoint(written[0]).net[0].weight)
 
     empty = subprocess.run(
-        [sys.executable, "-m", "scripts.posthoc_ema", str(tmp_path / "nothing"), "--sigma-rel", "0.08"],
+        [*COMMAND, str(tmp_path / "nothing"), "--sigma-rel", "0.08"],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env(),
     )  # fmt: skip
-    assert empty.returncode == 2 and "holds no PowerEMA snapshots" in empty.stderr
+    assert empty.returncode == 2 and empty.stderr.count("\n") == 1
+    assert f"no PowerEMA snapshots at {tmp_path / 'nothing'}: it does not exist" in empty.stderr
 
 
 def test_a_submodule_alone_is_averaged_and_the_command_takes_the_rest_from_the_checkpoint(tmp_path: Path) -> None:
@@ -156,7 +196,7 @@ def test_a_submodule_alone_is_averaged_and_the_command_takes_the_rest_from_the_c
     last = load_snapshot(snapshots[-1])
     assert last["module"] == "net.0" and list(last["profiles"][1]) == ["net.0.weight", "net.0.bias"]
     result = subprocess.run(
-        [sys.executable, "-m", "scripts.posthoc_ema", str(tmp_path), "--sigma-rel", "0.08"],
+        [*COMMAND, str(tmp_path), "--sigma-rel", "0.08"],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env(),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
@@ -166,6 +206,12 @@ def test_a_submodule_alone_is_averaged_and_the_command_takes_the_rest_from_the_c
     for name, value in model.state_dict().items():
         assert torch.equal(value, expected[name] if name.startswith("net.0.") else run.state_dict()[name]), name
     assert not torch.equal(model.net[0].weight, run.net[0].weight)  # the control: the average is not the live weight
+    # The docstring's four lines for a user of synthesize: the submodule's averaged entries over the run's own.
+    checkpoint = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    checkpoint["state_dict"].update(synthesize(tmp_path, sigma_rel=0.08))
+    torch.save(checkpoint, tmp_path / "ema.ckpt")
+    by_hand = Regressor.load_from_checkpoint(tmp_path / "ema.ckpt")
+    assert all(torch.equal(value, by_hand.state_dict()[name]) for name, value in model.state_dict().items())
 
     with pytest.raises(ValueError, match=r"module='head': Regressor has no such submodule \(its children: net\)"):
         fit(tmp_path / "bad", [PostHocEMACallback(module="head")], epochs=1)
@@ -193,9 +239,13 @@ def test_under_ddp_rank_zero_alone_writes_the_snapshots(tmp_path: Path) -> None:
     assert [r["step"] for r in ranks] == [3, 3]  # 12 batches, 6 a rank, one optimizer step per 2
     assert [r["writes"] for r in ranks] == [True, False]
     written = sorted(p.name for p in (tmp_path / "checkpoints" / "power_ema").iterdir())
-    assert written == ["power-ema-000000002.pt"]  # one file per snapshot step, no rank's second copy, no temporary
+    # one file per snapshot step (the last, 3, the final one), no rank's second copy, no temporary
+    assert written == ["power-ema-000000002.pt", "power-ema-000000003.pt"]
     snapshot = load_snapshot(tmp_path / "checkpoints" / "power_ema" / written[0])
     assert snapshot["step"] == 2 and snapshot["profiles"][0].keys() == ranks[0]["profiles"][0].keys()
+    final = load_snapshot(tmp_path / "checkpoints" / "power_ema" / written[1])
+    assert final["step"] == 3 and final["final"] and "final" not in snapshot
+    assert all(torch.equal(final["profiles"][1][k], v) for k, v in ranks[0]["profiles"][1].items())
 
 
 def test_a_state_spread_otherwise_than_the_model_is_refused_naming_both() -> None:
@@ -217,7 +267,7 @@ def test_a_state_spread_otherwise_than_the_model_is_refused_naming_both() -> Non
 
 
 def test_the_command_refuses_rank_files_of_several_world_sizes_or_a_rank_that_missed_a_step(tmp_path: Path) -> None:
-    from scripts.posthoc_ema import rank_paths
+    from copy_correct.posthoc_command import rank_paths
 
     for name in (
         "power-ema-000000002-rank0of2.pt",

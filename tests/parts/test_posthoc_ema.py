@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from copy_correct import PowerEMA, solve_coefficients, synthesize
-from copy_correct.posthoc_ema import load_snapshot, snapshot_paths, synthesis_coefficients
+from copy_correct.posthoc_ema import SNAPSHOT_PATTERNS, load_snapshot, snapshot_paths, synthesis_coefficients
 from copy_correct.power_function import (
     gamma_to_sigma_rel,
     impulse_response,
@@ -227,8 +227,10 @@ def test_no_usable_snapshot_and_bad_sigma_rel_are_clear_errors(tmp_path: Path) -
         solve_coefficients(meta, 0, 0.08)
     repeated = solve_coefficients([*meta, (100, 0.05)], 200, 0.08)  # a repeat adds nothing and is given 0
     assert repeated[-1] == 0.0 and np.allclose(repeated[:-1], solve_coefficients(meta, 200, 0.08), rtol=0, atol=1e-12)
-    with pytest.raises(ValueError, match="no snapshot to reconstruct from"):
+    with pytest.raises(ValueError, match="no PowerEMA snapshots in"):
         synthesize(tmp_path, 0.08)
+    with pytest.raises(ValueError, match="snapshots is empty: no snapshot to reconstruct from"):
+        synthesize([], 0.08)
     torch.save({"weight": torch.zeros(2)}, tmp_path / "power-ema-000000001.pt")
     with pytest.raises(ValueError, match="is not a PowerEMA snapshot"):
         synthesize(tmp_path, 0.08)
@@ -236,6 +238,70 @@ def test_no_usable_snapshot_and_bad_sigma_rel_are_clear_errors(tmp_path: Path) -
         PowerEMA(net(), update_every=4, snapshot_every=10, snapshot_dir=tmp_path)
     with pytest.raises(RuntimeError, match="before the first update"):
         PowerEMA(net()).snapshot()
+
+
+def test_synthesize_takes_a_run_directory_or_its_folder_and_names_path_and_patterns_when_none(tmp_path: Path) -> None:
+    model = net()
+    folder = tmp_path / "run" / "checkpoints" / "power_ema"
+    ema = PowerEMA(model, SIGMAS, snapshot_every=2, snapshot_dir=folder)
+    for step in range(1, 7):
+        walk(model, step)
+        ema.update()
+    expected = synthesize(snapshot_paths(folder), 0.08)
+    for given in (tmp_path / "run", str(folder), tmp_path):  # the run, its folder, any directory above
+        found = synthesize(given, 0.08)
+        assert found.keys() == expected.keys() and all(torch.equal(found[k], v) for k, v in expected.items())
+    for missing, why in ((tmp_path / "run" / "checkpoints" / "nothing", "it does not exist"), (tmp_path / "x", "")):
+        if not why:
+            missing.mkdir()
+        with pytest.raises(ValueError) as error:
+            synthesize(missing, 0.08)
+        message = str(error.value)
+        assert str(missing) in message and why in message and "\n" not in message
+        assert all(pattern in message for pattern in SNAPSHOT_PATTERNS)
+    other = tmp_path / "run" / "copy"  # the control: a second folder of snapshots under the run is not guessed
+    other.mkdir()
+    (other / "power-ema-000000002.pt").write_bytes((folder / "power-ema-000000002.pt").read_bytes())
+    with pytest.raises(ValueError, match=r"holds 2 folders of snapshots .*: give one"):
+        synthesize(tmp_path / "run", 0.08)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "error", "message"),
+    [
+        ((12345, 0.08), TypeError, "snapshots must be a run's directory, its folder of snapshots, or a list"),
+        (({"format": "x"}, 0.08), TypeError, "snapshots must be .* got dict"),
+        (([3.5], 0.08), TypeError, r"snapshots\[0\] must be a snapshot file's path or a snapshot state, got float"),
+        (([], 0.0), ValueError, r"sigma_rel must be a number in \(0, 0.2887\)"),
+        (([], -0.1), ValueError, "sigma_rel must be a number in"),
+        (([], 0.5), ValueError, "sigma_rel must be a number in"),
+        (([], "0.08"), ValueError, "sigma_rel must be a number in .* got '0.08'"),
+        (([], None), ValueError, "sigma_rel must be a number in"),
+        (([], 0.08, 0), ValueError, "step must be an integer >= 1"),
+        (([], 0.08, 2.5), ValueError, "step must be an integer >= 1 .* got 2.5"),
+        (([], 0.08, "4"), ValueError, "step must be an integer >= 1"),
+        (([], 0.08, True), ValueError, "step must be an integer >= 1"),
+    ],
+)
+def test_synthesize_refuses_bad_arguments_in_one_line_naming_the_argument(
+    tmp_path: Path, arguments: tuple, error: type[Exception], message: str
+) -> None:
+    snapshots, *rest = arguments
+    with pytest.raises(error, match=message) as raised:  # before any file is read: a missing folder is not the error
+        synthesize(tmp_path / "missing" if snapshots == [] else snapshots, *rest)
+    assert "\n" not in str(raised.value)
+
+
+def test_synthesize_takes_numpy_numbers_for_sigma_rel_and_step(tmp_path: Path) -> None:
+    """The control for the argument checks: numbers of other types that are numbers pass."""
+    model = net()
+    ema = PowerEMA(model, SIGMAS, snapshot_every=2, snapshot_dir=tmp_path)
+    for step in range(1, 5):
+        walk(model, step)
+        ema.update()
+    plain = synthesize(tmp_path, 0.08, step=4)
+    numpy = synthesize(tmp_path, np.float64(0.08), step=np.int64(4))
+    assert all(torch.equal(numpy[k], v) for k, v in plain.items())
 
 
 # -- reconstruction on a random walk -------------------------------------------------------------------------------

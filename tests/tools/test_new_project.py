@@ -159,6 +159,32 @@ def test_starter_holds_only_the_modules_and_tests_it_needs(tmp_path: Path) -> No
     assert "## Your own data" not in (metrics / "README.md").read_text()
 
 
+def test_the_posthoc_command_comes_with_the_callback_installed_as_ours_is(tmp_path: Path) -> None:
+    """The gan starter has ``PostHocEMACallback``, so it gets ``copy-correct`` (``copy_correct/cli.py``, what it runs,
+    and ``__main__.py``) and the ``[project.scripts]`` entry that installs it; the ema starter, without the callback,
+    gets neither (an entry naming a module it lacks would install a command that fails). No ``scripts/`` folder."""
+    gan, ema = generate("gan", tmp_path / "gan"), generate("ema", tmp_path / "ema")
+    entry = 'copy-correct = "copy_correct.cli:main"'
+    assert all((gan / "copy_correct" / name).is_file() for name in ("cli.py", "__main__.py", "posthoc_command.py"))
+    assert entry in (gan / "pyproject.toml").read_text() and not (gan / "scripts").exists()
+    assert not (ema / "copy_correct" / "cli.py").exists()
+    assert "[project.scripts]" not in (ema / "pyproject.toml").read_text()
+    assert entry in (ROOT / "pyproject.toml").read_text()  # the control: ours has it, so dropping it is a choice
+    run_help = "import copy_correct.cli as c; print(c.__file__); raise SystemExit(c.main(['posthoc', '-h']))"
+    result = subprocess.run(
+        [sys.executable, "-c", run_help],
+        cwd=gan,
+        env=env_without_checkout(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    origin, usage = result.stdout.split("\n", 1)
+    assert Path(origin).resolve() == (gan / "copy_correct" / "cli.py").resolve()  # the starter's own module
+    assert usage.startswith("usage: copy-correct posthoc")
+
+
 def test_a_gan_starter_trains_on_a_folder_of_64x64_rgb_images_with_no_code_edits(tmp_path: Path) -> None:
     """The starter as generated, a folder of unlabelled 64x64 RGB PNG files, and the command its README gives (plus
     a short run's sizes): the images are decoded by the data module's workers, DCGAN's networks take them, and the

@@ -1,16 +1,17 @@
-"""Write checkpoints of post-hoc EMA weights, synthesized from a run's ``PostHocEMACallback`` snapshots.
+"""``copy-correct posthoc``: checkpoints of post-hoc EMA weights, synthesized from a run's ``PostHocEMACallback``
+snapshots, that ``MyModule.load_from_checkpoint(path)`` reads (``copy_correct.cli`` parses the command line).
 
-    python -m scripts.posthoc_ema RUN_DIR --sigma-rel 0.08
-    python -m scripts.posthoc_ema RUN_DIR --sigma-rel 0.05 0.08 0.12 --step 4000
+    copy-correct posthoc RUN_DIR --sigma-rel 0.08
+    copy-correct posthoc RUN_DIR --sigma-rel 0.05 0.08 0.12 --step 4000
 
-RUN_DIR is the run's directory, or any directory above its one folder of snapshots (``power_ema/``, beside the
-checkpoints). For each ``--sigma-rel`` the weights are the power-function EMA of that width at ``--step`` (default:
-the last snapshot's), combined from the snapshots taken up to it (``copy_correct.synthesize``); the rest of the
-checkpoint (hyperparameters, versions) comes from ``--checkpoint`` (default: the newest ``*.ckpt`` beside the
-snapshots); so do a module's other weights where the snapshots are of one submodule (``module``: a GAN's
-generator). Each is written, atomically, beside it as ``posthoc-ema-sigma0.080-step000004000.ckpt``, so that
-``MyModule.load_from_checkpoint(path)`` returns the averaged model. Exit status 2, with one line, when there is
-nothing to synthesize from.
+RUN_DIR is the run's directory, or its one folder of snapshots (``power_ema/``, beside the checkpoints), or any
+directory above that (``copy_correct.posthoc_ema.snapshot_folder``). For each ``--sigma-rel`` the weights are the
+power-function EMA of that width at ``--step`` (default: the last snapshot's), combined from the snapshots taken up
+to it (``copy_correct.synthesize``); the rest of the checkpoint (hyperparameters, versions) comes from
+``--checkpoint`` (default: the newest ``*.ckpt`` beside the snapshots); so do a module's other weights where the
+snapshots are of one submodule (``module``: a GAN's generator). Each is written, atomically, beside it as
+``posthoc-ema-sigma0.080-step000004000.ckpt``, and its path printed. A ``ValueError`` (the command: exit status 2, one
+line) when there is nothing to synthesize from, naming the path searched and the file patterns.
 
 A sharded run's snapshots (FSDP2: ``power-ema-STEP-rankRofW.pt``, every rank its shards) are combined rank by rank,
 each rank's files into its shards with no gather (the combination is linear), and the shards then joined into full
@@ -21,9 +22,8 @@ output is one file of full weights either way.
 
 from __future__ import annotations
 
-import argparse
+import os
 import re
-import sys
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,9 +31,10 @@ from typing import Any
 
 import torch
 
-from copy_correct import synthesize
 from copy_correct._atomic_save import atomic_save
-from copy_correct.posthoc_ema import load_snapshot, snapshot_paths
+from copy_correct.posthoc_ema import load_snapshot, snapshot_folder, snapshot_paths, synthesize
+
+__all__ = ["join_shards", "posthoc", "rank_paths", "read_checkpoint"]
 
 # What a checkpoint needs for load_from_checkpoint besides its weights (Lightning's own keys, where the run has them).
 KEPT = ("pytorch-lightning_version", "hyper_parameters", "hparams_name", "hparams_type", "epoch")
@@ -41,16 +42,6 @@ KEPT = ("pytorch-lightning_version", "hyper_parameters", "hparams_name", "hparam
 
 SHARD_FILE = re.compile(r"power-ema-(\d{9})-rank(\d+)of(\d+)\.pt")
 SHARD_LAYOUT = re.compile(r"Shard\(dim=(\d+)\) over a mesh of (\d+) ranks?")
-
-
-def snapshot_dir(run_dir: Path) -> Path:
-    """The one folder of snapshots (of an unsharded model, or every rank's of a sharded one) under ``run_dir``."""
-    found = sorted({p.parent for pattern in ("power-ema-?????????.pt", "power-ema-?????????-rank*of*.pt")
-                    for p in run_dir.rglob(pattern)})  # fmt: skip
-    if len(found) != 1:
-        what = "no PowerEMA snapshots" if not found else f"{len(found)} folders of snapshots ({found[0]}, ...)"
-        raise ValueError(f"{run_dir} holds {what}: give the run's own directory")
-    return found[0]
 
 
 def rank_paths(directory: Path) -> list[list[Path]] | None:
@@ -147,36 +138,29 @@ def write(
     atomic_save(checkpoint, path)
 
 
-def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("run_dir", type=Path, help="the run's directory (its power_ema/ snapshots are found below it)")
-    parser.add_argument("--sigma-rel", type=float, nargs="+", required=True, help="the EMA widths to synthesize")
-    parser.add_argument("--step", type=int, default=None, help="the optimizer step (default: the last snapshot's)")
-    parser.add_argument("--checkpoint", type=Path, default=None, help="the checkpoint to take the rest from")
-    args = parser.parse_args(argv)
-    try:
-        snapshots = snapshot_dir(args.run_dir)
-        ranks = rank_paths(snapshots)
-        paths = snapshot_paths(snapshots) if ranks is None else ranks[0]
-        states = [load_snapshot(p) for p in paths]  # memory-mapped: only the metadata is read here
-        step = args.step if args.step is not None else max(int(s["step"]) for s in states)
-        modules = {s.get("module") for s in states}
-        if len(modules) > 1:
-            raise ValueError(f"{snapshots} holds snapshots of different modules ({sorted(map(str, modules))})")
-        module = modules.pop()
-        source = args.checkpoint or base_checkpoint(snapshots.parent)
-        base = read_checkpoint(source)
-        for sigma_rel in args.sigma_rel:
-            weights = weights_at(snapshots, sigma_rel, step)
-            path = source.parent / f"posthoc-ema-sigma{sigma_rel:.3f}-step{step:09d}.ckpt"
-            meta = {"sigma_rel": sigma_rel, "step": step, "snapshots": str(snapshots), "module": module}
-            write(base, weights, path, meta, module)
-            print(path)
-    except ValueError as error:
-        print(f"posthoc_ema: {error}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+def posthoc(
+    run_dir: str | os.PathLike[str],
+    sigma_rels: list[float],
+    step: int | None = None,
+    checkpoint: str | os.PathLike[str] | None = None,
+) -> list[Path]:
+    """Write one checkpoint per ``sigma_rels`` entry (module docstring); their paths, in that order."""
+    snapshots = snapshot_folder(run_dir)
+    ranks = rank_paths(snapshots)
+    paths = snapshot_paths(snapshots) if ranks is None else ranks[0]
+    states = [load_snapshot(p) for p in paths]  # memory-mapped: only the metadata is read here
+    step = step if step is not None else max(int(s["step"]) for s in states)
+    modules = {s.get("module") for s in states}
+    if len(modules) > 1:
+        raise ValueError(f"{snapshots} holds snapshots of different modules ({sorted(map(str, modules))})")
+    module = modules.pop()
+    source = Path(checkpoint) if checkpoint is not None else base_checkpoint(snapshots.parent)
+    base = read_checkpoint(source)
+    written = []
+    for sigma_rel in sigma_rels:
+        weights = weights_at(snapshots, sigma_rel, step)
+        path = source.parent / f"posthoc-ema-sigma{sigma_rel:.3f}-step{step:09d}.ckpt"
+        meta = {"sigma_rel": sigma_rel, "step": step, "snapshots": str(snapshots), "module": module}
+        write(base, weights, path, meta, module)
+        written.append(path)
+    return written

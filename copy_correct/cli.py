@@ -1,0 +1,71 @@
+"""The ``copy-correct`` command (installed with the package; also ``python -m copy_correct``), one subcommand a job:
+
+    copy-correct posthoc RUN_DIR --sigma-rel 0.08 [0.12 ...] [--step N] [--checkpoint PATH]
+
+``posthoc`` writes checkpoints of post-hoc EMA weights that ``MyModule.load_from_checkpoint(path)`` reads
+(``copy_correct.posthoc_command`` says how). ``main`` returns the exit status: 0, each written path printed on its
+own line; 2, with one line on stderr, for bad arguments or nothing to synthesize from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+from copy_correct.posthoc_command import posthoc
+from copy_correct.power_function import SIGMA_REL_MAX, sigma_rel_to_gamma
+
+__all__ = ["main"]
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line (the usage stays behind ``--help``)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _sigma_rel(text: str) -> float:
+    try:
+        value = float(text)
+        sigma_rel_to_gamma(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number in (0, {SIGMA_REL_MAX:.4f}) (EDM2 uses 0.05 to 0.20)"
+        ) from None
+    return value
+
+
+def _step(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an optimizer step (an integer >= 1)")
+    return int(text)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line: one subparser per subcommand."""
+    top = _OneLineParser(prog="copy-correct", description=__doc__.split("\n\n")[0])
+    commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_OneLineParser)
+    post = commands.add_parser(
+        "posthoc", help="write checkpoints of post-hoc EMA weights from a run's PostHocEMACallback snapshots"
+    )
+    post.add_argument("run_dir", type=Path, help="the run's directory, or its folder of snapshots (power_ema/)")
+    post.add_argument("--sigma-rel", type=_sigma_rel, nargs="+", required=True, help="the EMA widths, in (0, 0.2887)")
+    post.add_argument("--step", type=_step, default=None, help="the optimizer step (default: the last snapshot's)")
+    post.add_argument("--checkpoint", type=Path, default=None, help="the checkpoint to take the rest from")
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (default: ``sys.argv[1:]``); the exit status."""
+    args = parser().parse_args(argv)
+    try:
+        for path in posthoc(args.run_dir, args.sigma_rel, args.step, args.checkpoint):
+            print(path)
+    except ValueError as error:
+        print(f"copy-correct {args.command}: {error}", file=sys.stderr)
+        return 2
+    return 0

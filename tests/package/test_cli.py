@@ -1,0 +1,171 @@
+"""``copy-correct``, the command installed with the package, as a pip user runs it: the console script beside this
+interpreter, from a folder outside the clone, with nothing of the checkout on the import path. A user's own small
+LightningModule (``USER_CODE``, written to that folder, not one of our recipes) trains with ``PostHocEMACallback``
+for fewer steps than its ``snapshot_every``; the fit's final snapshot is what ``copy-correct posthoc`` synthesizes
+from, and ``Module.load_from_checkpoint`` reads the checkpoint it writes as the synthesized weights (so do the four
+lines of Python the callback's docstring gives). ``python -m copy_correct`` is the same command;
+``python -m copy_correct.posthoc_ema``, a library module, says which command to run and fails; a folder with no
+snapshots and bad arguments stop with status 2 and one line naming the path searched and the file patterns."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from copy_correct import synthesize
+from copy_correct.cli import main
+from copy_correct.posthoc_ema import SNAPSHOT_PATTERNS, load_snapshot, snapshot_paths
+from tests.conftest import env_without_checkout
+
+COMMAND = Path(sys.executable).parent / "copy-correct"
+STEPS = 20  # 4 epochs of 5 batches: fewer than the callback's default snapshot_every (1000)
+
+USER_CODE = """
+import sys
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from copy_correct.lightning import PostHocEMACallback
+
+
+class Mine(pl.LightningModule):
+    def __init__(self, width: int = 12) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.body = nn.Sequential(nn.Linear(4, width), nn.LayerNorm(width), nn.Tanh(), nn.Linear(width, 2))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.body(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(40, 4), torch.randint(0, 2, (40,)))
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=4, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=sys.argv[1], callbacks=[PostHocEMACallback(), ModelCheckpoint(save_last=True)],
+    )
+    trainer.fit(Mine(width=10), DataLoader(data, batch_size=8))
+"""
+
+
+def run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(a) for a in args], cwd=cwd, env=env_without_checkout(), capture_output=True, text=True, timeout=300
+    )
+
+
+def user_module(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location("my_model", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def user_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The user's folder, outside the clone, after ``python my_model.py run`` (the run's directory: ``run/``)."""
+    assert COMMAND.is_file(), f"{COMMAND} is missing: install the package (pip install -e .) to get the command"
+    folder = tmp_path_factory.mktemp("user")
+    (folder / "my_model.py").write_text(USER_CODE)
+    trained = run(sys.executable, "my_model.py", "run", cwd=folder)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    return folder
+
+
+def test_the_installed_command_writes_a_checkpoint_load_from_checkpoint_reads_as_the_synthesized_ema(
+    user_run: Path,
+) -> None:
+    snapshots = snapshot_paths(user_run / "run" / "checkpoints" / "power_ema")
+    assert [p.name for p in snapshots] == [f"power-ema-{STEPS:09d}.pt"]  # no scheduled one: the fit's final one
+    assert load_snapshot(snapshots[0])["final"]
+    result = run(COMMAND, "posthoc", "run", "--sigma-rel", "0.08", "0.15", cwd=user_run)
+    assert result.returncode == 0, result.stderr[-3000:]
+    written = [user_run / line for line in result.stdout.split()]
+    assert [p.name for p in written] == [f"posthoc-ema-sigma{s}-step{STEPS:09d}.ckpt" for s in ("0.080", "0.150")]
+    mine = user_module(user_run / "my_model.py").Mine
+    for path, sigma_rel in zip(written, (0.08, 0.15), strict=True):
+        model = mine.load_from_checkpoint(path)
+        expected = synthesize(user_run / "run", sigma_rel)
+        assert model.hparams.width == 10 and model.state_dict().keys() == expected.keys()
+        assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
+    live = mine.load_from_checkpoint(user_run / "run" / "checkpoints" / "last.ckpt")  # the control: live weights
+    assert not torch.equal(live.body[0].weight, mine.load_from_checkpoint(written[0]).body[0].weight)
+
+    # The callback docstring's four lines, for a user of synthesize: the same checkpoint's weights.
+    checkpoint = torch.load(user_run / "run" / "checkpoints" / "last.ckpt", weights_only=True)
+    checkpoint["state_dict"].update(synthesize(user_run / "run", sigma_rel=0.08))
+    torch.save(checkpoint, user_run / "ema.ckpt")
+    by_hand, by_command = mine.load_from_checkpoint(user_run / "ema.ckpt"), mine.load_from_checkpoint(written[0])
+    assert all(torch.equal(v, by_command.state_dict()[k]) for k, v in by_hand.state_dict().items())
+
+
+def test_python_dash_m_copy_correct_is_the_same_command(user_run: Path) -> None:
+    installed, module = (
+        run(*c, "posthoc", "--help", cwd=user_run) for c in ([COMMAND], [sys.executable, "-m", "copy_correct"])
+    )
+    assert installed.returncode == module.returncode == 0
+    assert installed.stdout == module.stdout and installed.stdout.startswith("usage: copy-correct posthoc")
+
+
+def test_the_library_module_run_as_a_command_fails_naming_the_command(user_run: Path) -> None:
+    before = sorted(p.name for p in (user_run / "run" / "checkpoints").iterdir())
+    result = run(sys.executable, "-m", "copy_correct.posthoc_ema", "run", "--sigma-rel", "0.08", cwd=user_run)
+    assert result.returncode != 0
+    # The last line is ours (Python's runpy may warn before it that the package imported the module).
+    assert result.stderr.splitlines()[-1] == (
+        "copy_correct.posthoc_ema is not a command: run `copy-correct posthoc RUN_DIR --sigma-rel 0.08`"
+    )
+    assert sorted(p.name for p in (user_run / "run" / "checkpoints").iterdir()) == before  # nothing written
+
+
+def test_nothing_to_synthesize_from_names_the_path_searched_and_the_file_patterns(tmp_path: Path) -> None:
+    (tmp_path / "empty_run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "empty_run" / "checkpoints" / "last.ckpt").touch()
+    for given, says in (("empty_run", "or below it"), ("missing", "it does not exist")):
+        result = run(COMMAND, "posthoc", given, "--sigma-rel", "0.08", cwd=tmp_path)
+        assert result.returncode == 2 and result.stdout == "" and result.stderr.count("\n") == 1, result.stderr
+        assert result.stderr.startswith("copy-correct posthoc: no PowerEMA snapshots") and says in result.stderr
+        assert given in result.stderr and all(pattern in result.stderr for pattern in SNAPSHOT_PATTERNS)
+
+
+def test_no_arguments_stop_the_installed_command_with_status_2_and_one_line(tmp_path: Path) -> None:
+    result = run(COMMAND, cwd=tmp_path)
+    assert result.returncode == 2 and result.stderr == (
+        "copy-correct: error: the following arguments are required: COMMAND (see copy-correct --help)\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("arguments", "says"),
+    [
+        (("fit",), "invalid choice: 'fit'"),
+        (("posthoc", "run"), "the following arguments are required: --sigma-rel"),
+        (("posthoc", "run", "--sigma-rel", "0.5"), "argument --sigma-rel: '0.5' is not a number in (0, 0.2887)"),
+        (("posthoc", "run", "--sigma-rel", "x"), "argument --sigma-rel: 'x' is not a number in (0, 0.2887)"),
+        (("posthoc", "run", "--sigma-rel", "0.08", "--step", "0"), "argument --step: '0' is not an optimizer step"),
+        (("posthoc", "run", "--sigma-rel", "0.08", "--step", "2.5"), "argument --step: '2.5' is not an optimizer step"),
+    ],
+)
+def test_bad_arguments_stop_with_status_2_and_one_line(
+    arguments: tuple[str, ...], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as stopped:  # main itself, in this process: the command line's parser
+        main(list(arguments))
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and err.count("\n") == 1 and says in err, err
