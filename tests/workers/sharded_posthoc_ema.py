@@ -8,8 +8,16 @@ Runs (4 optimizer steps an epoch, a snapshot every 2 steps, a ``ModelCheckpoint`
 * ``resumed-dcp`` / ``resumed-file``: to 4 epochs from the straight run's checkpoint after epoch 2;
 * ``control``: the dcp resume with a callback that ignores its state (fresh profiles).
 
+Runs ending off the snapshot schedule (a snapshot every 5 steps; distributed checkpoints), so the callback takes its
+final snapshot when ``fit`` ends:
+
+* ``final``: 3 epochs (12 steps): snapshots at 5 and 10, the final one at 12;
+* ``stopped``: 1 epoch (4 steps, fewer than ``snapshot_every``): only the final snapshot, at 4; then resumed in the
+  same directory from its checkpoint to 3 epochs, which removes that file once it writes step 5's.
+
 Each rank saves, per run, its profiles' shards (``to_local()``) and its step; rank 0 also saves the straight-dcp run's
-live weights after every optimizer step, gathered (every rank joins), with rank 0's buffers: what the profiles average.
+live weights after every optimizer step, gathered (every rank joins), with rank 0's buffers: what the profiles average
+(the other runs train the same). Each rank also saves which snapshot files it had when the stopped run stopped.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from copy_correct._sharding import local
 from copy_correct.lightning import PostHocEMACallback
+from copy_correct.posthoc_ema import load_snapshot
 from tests.lightning.test_ema_callback import loader
 from tests.workers import end_rank, join_as_lightning_rank
 from tests.workers.sharded_callback import ShardedRegressor, full
@@ -63,14 +72,22 @@ class Truth(pl.Callback):
         self.at[trainer.global_step] = {k: full(v) for k, v in pl_module.state_dict().items()}
 
 
-def fit(directory: Path, distributed: bool, ckpt_path: Path | None = None, callback: type = PostHocEMACallback):
+def fit(
+    directory: Path,
+    distributed: bool,
+    ckpt_path: Path | None = None,
+    callback: type = PostHocEMACallback,
+    *,
+    epochs: int = 4,
+    snapshot_every: int = KWARGS["snapshot_every"],
+):
     pl.seed_everything(0)
-    own, posthoc, truth = OwnStatistics(), callback(**KWARGS), Truth()
+    own, posthoc, truth = OwnStatistics(), callback(**{**KWARGS, "snapshot_every": snapshot_every}), Truth()
     strategy = ModelParallelStrategy(
         data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=distributed
     )
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=strategy, max_epochs=4, logger=False, enable_progress_bar=False,
+        accelerator="cpu", devices=2, strategy=strategy, max_epochs=epochs, logger=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=directory, callbacks=[
             own, posthoc, truth, ModelCheckpoint(directory, filename="{epoch}", save_top_k=-1),
         ],
@@ -93,6 +110,14 @@ def main(rank: int, out: Path) -> None:
         second = out / f"straight-{kind}" / "epoch=1.ckpt"
         results[f"resumed-{kind}"], _ = fit(out / f"resumed-{kind}", distributed, ckpt_path=second)
     results["control"], _ = fit(out / "control", True, out / "straight-dcp" / "epoch=1.ckpt", WithoutState)
+    results["final"], _ = fit(out / "final", True, epochs=3, snapshot_every=5)
+    results["stopped"], _ = fit(out / "stopped", True, epochs=1, snapshot_every=5)
+    results["stopped-files"] = {  # this rank's snapshot files when the run stopped: is each marked final
+        p.name: bool(load_snapshot(p).get("final", False))
+        for p in sorted((out / "stopped" / "power_ema").glob(f"*-rank{rank}of2.pt"))
+    }
+    stopped = out / "stopped" / "epoch=0.ckpt"
+    results["stopped-resumed"], _ = fit(out / "stopped", True, stopped, epochs=3, snapshot_every=5)
     torch.save(results, out / f"rank{rank}.pt")
     end_rank()
 
