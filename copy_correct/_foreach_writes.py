@@ -10,14 +10,16 @@ CPU always, and CUDA for lists it cannot fuse), raising every version once, or o
 "fast path"), which raises them only if its author remembered to. Measured on an H200 with torch 2.11:
 ``torch._foreach_lerp_`` with a scalar weight left every CUDA tensor's version as it was, while
 ``torch._foreach_copy_`` raised it. A call takes one path for its whole list, so the first tensor's counter
-tells: when the kernel left it unchanged, all of ``dst`` is bumped here (``torch._C._increment_version`` on
-the list: metadata only, no kernel, nothing allocated). Every ``dst`` tensor's version therefore rises by
-exactly one per call, on every device.
+tells: when the kernel left it unchanged, all of ``dst`` is bumped here (``increment_versions`` of
+``copy_correct._torch_internals`` on the list: metadata only, no kernel, nothing allocated). Every ``dst`` tensor's
+version therefore rises by exactly one per call, on every device.
 """
 
 from __future__ import annotations
 
 import torch
+
+from copy_correct._torch_internals import increment_versions
 
 __all__ = ["foreach_copy_", "foreach_lerp_"]
 
@@ -28,7 +30,7 @@ def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     before = _version(first)
     torch._foreach_copy_(dst, src)
     if before is not None and first._version == before:
-        torch._C._increment_version(dst)
+        increment_versions(dst)
 
 
 def foreach_lerp_(dst: list[torch.Tensor], src: list[torch.Tensor], weight: float) -> None:
@@ -37,7 +39,7 @@ def foreach_lerp_(dst: list[torch.Tensor], src: list[torch.Tensor], weight: floa
     before = _version(first)
     torch._foreach_lerp_(dst, src, weight)
     if before is not None and first._version == before:
-        torch._C._increment_version(dst)
+        increment_versions(dst)
 
 
 def _version(t: torch.Tensor) -> int | None:

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from copy_correct._flat import flat_views
+from copy_correct._torch_internals import increment_versions
 
 __all__ = ["NonFiniteGuard", "ProfilesGuard", "refuse_nonfinite"]
 
@@ -188,7 +189,7 @@ def _bumped(op: Callable[..., Any], dst: list[torch.Tensor], *args: Any) -> None
     before = first._version
     op(dst, *args)
     if first._version == before:
-        torch._C._increment_version(dst)
+        increment_versions(dst)
 
 
 class ProfilesGuard(NonFiniteGuard):

@@ -30,6 +30,11 @@ Copy contract:
 * A directory at the target that is not a distributed checkpoint (no ``meta.pt``) is refused
   (``IsADirectoryError``), never replaced.
 * Paths that are not local files go through Lightning's own implementation (which refuses ``storage_options``).
+
+Whether a checkpoint is a directory of shards is read from Lightning 2.6's private
+``ModelParallelStrategy._save_distributed_checkpoint`` (``copy_correct.lightning._lightning_internals``); constructing
+the strategy checks that it is there, and a Lightning without it is refused in one ``RuntimeError`` line naming it and
+the version installed.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 
 from copy_correct._atomic_save import fsync_directory
+from copy_correct.lightning._lightning_internals import DISTRIBUTED_CHECKPOINT, check, saves_distributed_checkpoint
 from copy_correct.lightning.resume import DISTRIBUTED_METADATA
 
 __all__ = ["AtomicModelParallelStrategy"]
@@ -60,9 +66,14 @@ _CANNOT_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP}
 class AtomicModelParallelStrategy(ModelParallelStrategy):
     """``ModelParallelStrategy`` whose local checkpoints are written beside their target and swapped in whole."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """``ModelParallelStrategy``'s arguments; refused where Lightning keeps no ``save_distributed_checkpoint``."""
+        super().__init__(*args, **kwargs)
+        check(type(self).__name__, self, [DISTRIBUTED_CHECKPOINT])
+
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         target = Path(self.broadcast(str(filepath)))
-        staged = self._save_distributed_checkpoint or target.is_dir()
+        staged = saves_distributed_checkpoint(self) or target.is_dir()
         if storage_options is not None or not staged or not isinstance(get_filesystem(filepath), LocalFileSystem):
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return

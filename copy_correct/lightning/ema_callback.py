@@ -16,8 +16,12 @@ reaches the average.
   Lightning puts an evaluation's results: ``trainer.validate`` and ``trainer.test`` return them in one dict per
   dataloader and print them in one table, and the loggers get each epoch's in one call (one row of ``CSVLogger``'s
   ``metrics.csv``): the EMA pass's epoch-end metrics are held back and logged with the live pass's. This goes through
-  two of Lightning 2.6's internals, the logger connector's ``log_eval_end_metrics`` and the evaluation loop's
-  ``_print_results``. Metrics logged with ``on_step=True`` still get a row per pass and batch.
+  Lightning 2.6's internals (``copy_correct.lightning._lightning_internals``): the evaluation loops' ``run``, wrapped on
+  each loop instance, the logger connector's ``log_eval_end_metrics`` and the evaluation loop's ``_print_results``.
+  ``setup`` checks that they are there, and each evaluation's start that it runs inside the wrapper: another Lightning
+  stops the run with one ``RuntimeError`` line naming what is missing and the version installed, never drops the EMA
+  metrics silently (``"ema"`` needs the wrapper only). Metrics logged with ``on_step=True`` still get a row per pass
+  and batch.
   ``"ema"``: evaluate with the EMA weights only, under the module's own names. ``"live"``: no EMA evaluation.
 * ``checkpoint_weights="ema"`` (default): a checkpoint's weights (``state_dict``) are the average, so
   ``MyModule.load_from_checkpoint(path)`` returns the averaged model, as Lightning's ``EMAWeightAveraging`` does; the
@@ -68,6 +72,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
+from functools import partial
 from itertools import zip_longest
 from typing import Any
 
@@ -78,12 +83,30 @@ from copy_correct._sharding import is_sharded, local, local_part, reshard
 from copy_correct.ema import EMA
 from copy_correct.errors import CheckpointMismatch
 from copy_correct.lightning._distributed_state import names_keys, read_into, store_under_keys
+from copy_correct.lightning._lightning_internals import (
+    EVALUATION_DISPATCH,
+    EVALUATION_END_METRICS,
+    EVALUATION_RUN,
+    RESULTS_TABLE,
+    LogMetrics,
+    check,
+    eval_end_metrics,
+    install_run,
+    print_results,
+    remove_run,
+    unsupported,
+)
 from copy_correct.lightning._rank_zero_buffers import RankZeroBuffers
 
 __all__ = ["EMACallback"]
 
 _EVALUATE = ("both", "ema", "live")
 _CHECKPOINT_WEIGHTS = ("ema", "live")
+_NEEDS = {  # the Lightning internals each evaluation mode goes through
+    "both": (EVALUATION_RUN, EVALUATION_END_METRICS, RESULTS_TABLE),
+    "ema": (EVALUATION_RUN,),
+    "live": (),
+}
 
 
 class EMACallback(pl.Callback):
@@ -133,6 +156,7 @@ class EMACallback(pl.Callback):
         self._pending: dict[str, Any] | None = None
         self._last_step = 0
         self._wrapped: list[Any] = []  # the evaluation loops whose run setup wrapped, for teardown
+        self._in_run = False  # inside a run setup wrapped: each evaluation's start checks it
         self._pass: _EMAPass | None = None  # the EMA evaluation in progress
         self._trainer: pl.Trainer | None = None
         self._broadcast = RankZeroBuffers()
@@ -155,25 +179,54 @@ class EMACallback(pl.Callback):
         """What ``pickle`` and ``copy.deepcopy`` copy: the settings, the step and the EMA (a copy that tracks no model
         until the next ``fit``, ``validate`` or ``test`` gives it the module: ``copy_correct.ema``), not the trainer,
         the wrappers ``setup`` installed in it, nor an evaluation in progress."""
-        return {**self.__dict__, "_trainer": None, "_wrapped": [], "_pass": None, "_broadcast": RankZeroBuffers()}
+        fresh = {"_trainer": None, "_wrapped": [], "_in_run": False, "_pass": None, "_broadcast": RankZeroBuffers()}
+        return {**self.__dict__, **fresh}
 
     # -- wiring the evaluation passes -------------------------------------------------------------------
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Check that the Lightning internals ``evaluate`` needs are there (one ``RuntimeError`` line naming what is
+        missing and the version installed), then wrap ``trainer.save_checkpoint`` and the evaluation loops' ``run``."""
+        check(f"EMACallback(evaluate={self.evaluate!r})", trainer, _NEEDS[self.evaluate])
         self._trainer = trainer
         if "save_checkpoint" not in vars(trainer):  # kept after teardown: saves after fit hold what saves in it hold
             trainer.save_checkpoint = self._save_outside_the_pass(trainer.save_checkpoint)  # type: ignore[method-assign]
         if self.evaluate == "live":
             return
         for loop in (trainer.fit_loop.epoch_loop.val_loop, trainer.validate_loop, trainer.test_loop):
-            if "run" not in vars(loop):  # not wrapped yet
-                loop.run = self._evaluate_with_ema(trainer, pl_module, loop, loop.run)  # type: ignore[method-assign]
+            if install_run(loop, partial(self._wrap_run, trainer, pl_module, loop)):
                 self._wrapped.append(loop)
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         for loop in self._wrapped:
-            del loop.run  # back to the class's method
+            remove_run(loop)  # back to the class's method
         self._wrapped.clear()
+
+    def _wrap_run(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, loop: Any, run: Callable[[], list[dict[str, Any]]]
+    ) -> Callable[[], list[dict[str, Any]]]:
+        """The loop's ``run`` with the EMA evaluation, noting that it runs (``_check_dispatched``)."""
+        run_with_ema = self._evaluate_with_ema(trainer, pl_module, loop, run)
+
+        def run_witnessed() -> list[dict[str, Any]]:
+            outer, self._in_run = self._in_run, True
+            try:
+                return run_with_ema()
+            finally:
+                self._in_run = outer
+
+        return run_witnessed
+
+    def _check_dispatched(self) -> None:
+        """An evaluation that starts outside the wrapped ``run`` would log no EMA metrics: it stops, in one line."""
+        if self._wrapped and not self._in_run:
+            raise unsupported(f"EMACallback(evaluate={self.evaluate!r})", [EVALUATION_DISPATCH])
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._check_dispatched()
+
+    def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._check_dispatched()
 
     def _evaluate_with_ema(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, loop: Any, run: Callable[[], list[dict[str, Any]]]
@@ -184,18 +237,18 @@ class EMACallback(pl.Callback):
             ema = self._ensure_ema(pl_module)
             if self.evaluate == "ema":
                 return self._run_pass(_EMAPass(trainer, pl_module, ema, None), run)
-            connector = trainer._logger_connector
+            held: dict[str, Any] = {}
             verbose, loop.verbose = loop.verbose, False  # one table, of both passes, below
             try:
-                with _held_back(connector) as held:
+                with eval_end_metrics(trainer, partial(_held_back, held)):
                     averaged = self._run_pass(_EMAPass(trainer, pl_module, ema, self.suffix), run)
-                with _logged_with(connector, held):
+                with eval_end_metrics(trainer, partial(_logged_with, held)):
                     live = run()
             finally:
                 loop.verbose = verbose
             results = [{**one, **other} for one, other in zip_longest(live, averaged, fillvalue={})]
             if verbose and trainer.is_global_zero:
-                loop._print_results(results, loop._stage.value)
+                print_results(loop, results)
             return results
 
         return run_with_ema
@@ -410,31 +463,19 @@ def _suffixed_logging(pl_module: pl.LightningModule, suffix: str) -> Iterator[No
         del pl_module.log
 
 
-@contextmanager
-def _held_back(connector: Any) -> Iterator[dict[str, Any]]:
-    """The epoch-end metrics of the EMA pass, kept from the loggers (Lightning's ``log_eval_end_metrics``, the one
-    call that logs an evaluation epoch's metrics, only collects them here)."""
-    held: dict[str, Any] = {}
-    connector.log_eval_end_metrics = held.update
-    try:
-        yield held
-    finally:
-        del connector.log_eval_end_metrics
+def _held_back(held: dict[str, Any], log: LogMetrics) -> LogMetrics:
+    """The epoch-end metrics of the EMA pass, kept from the loggers: Lightning's call that logs an evaluation epoch's
+    metrics (``log``) only collects them into ``held``."""
+    return held.update
 
 
-@contextmanager
-def _logged_with(connector: Any, held: Mapping[str, Any]) -> Iterator[None]:
+def _logged_with(held: Mapping[str, Any], log: LogMetrics) -> LogMetrics:
     """The live pass's epoch-end metrics logged with ``held`` beside them, in one call: one row of ``metrics.csv``."""
-    log = connector.log_eval_end_metrics
 
     def log_both(metrics: Mapping[str, Any]) -> None:
         log({**metrics, **held})
 
-    connector.log_eval_end_metrics = log_both
-    try:
-        yield
-    finally:
-        del connector.log_eval_end_metrics
+    return log_both
 
 
 @contextmanager

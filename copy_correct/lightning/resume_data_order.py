@@ -45,8 +45,16 @@ instrumented (an ``IterableDataset``, a custom ``batch_sampler``, ``batch_size=N
 resumed mid-epoch, Lightning starts their epoch over and a warning says so in one line (at an epoch boundary their
 iterator is made where the uninterrupted run made it, like the others'). Loaders without a length make Lightning fetch
 a batch before ``on_train_start``: their iterator is not restarted, and a warning says the order is not restored.
-The restart goes through Lightning's private ``Trainer.fit_loop._data_fetcher`` (2.6); where a Lightning version has
-none, ``on_train_start`` raises a ``RuntimeError`` that says so.
+The restart goes through Lightning's private ``Trainer.fit_loop._data_fetcher`` and the clock through
+``batch_progress.current.ready`` (2.6: ``copy_correct.lightning._lightning_internals``, ``NEEDS``). ``on_train_start``
+checks that they are there before it uses them (where the fit has train loaders): a Lightning without them stops the
+fit before its first batch, with one ``RuntimeError`` line naming what is missing and the version installed.
+
+Why not Lightning's own loader state: Lightning 2.6 saves and restores the ``state_dict`` of a train loader that has
+one (a stateful ``DataLoader``, such as torchdata's ``StatefulDataLoader``), in ``FitLoop.setup_data`` before it makes
+the epoch's iterator. A plain ``DataLoader`` has none, and that is the loader a user gives (and the one Lightning may
+re-create to add a ``DistributedSampler``); giving it one would replace the user's loader. It does nothing for a fresh
+fit either, whose first iterator is made, and given its workers' indices, before any callback can record them.
 """
 
 from __future__ import annotations
@@ -60,9 +68,21 @@ import torch
 from lightning.pytorch.utilities import CombinedLoader, rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
+from copy_correct.lightning._lightning_internals import (
+    BATCHES_FETCHED,
+    DATA_FETCHER,
+    batches_fetched,
+    check,
+    data_fetcher,
+    fetched_ahead,
+    fetcher_loader,
+    set_fetcher_iterator,
+)
 from copy_correct.lightning.rng_state import get_rng_state, set_rng_state
 
-__all__ = ["RecordingSampler", "TrainDataOrder", "train_loaders", "why_not_instrumented"]
+__all__ = ["NEEDS", "RecordingSampler", "TrainDataOrder", "train_loaders", "why_not_instrumented"]
+
+NEEDS = (DATA_FETCHER, BATCHES_FETCHED)  # the Lightning internals the data order goes through
 
 Clock = Callable[[], tuple[int, int]]  # (the epoch, the batches Lightning has fetched in it)
 
@@ -149,7 +169,7 @@ def _sampler_of(loader: object) -> object:
 
 def _clock(trainer: pl.Trainer) -> Clock:
     def now() -> tuple[int, int]:
-        return trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        return trainer.current_epoch, batches_fetched(trainer)
 
     return now
 
@@ -196,8 +216,11 @@ class TrainDataOrder:
         return {"epoch": epoch, "fetched": fetched, "loaders": entries}
 
     def on_train_start(self, trainer: pl.Trainer, state: dict[str, Any] | None) -> None:
-        """Instrument the loaders; resuming from ``state``, restore their order; in a fresh fit, restart an iterator
-        whose workers took the first epoch's indices unrecorded."""
+        """Check the Lightning internals ``NEEDS`` (where there are train loaders); instrument the loaders; resuming
+        from ``state``, restore their order; in a fresh fit, restart an iterator whose workers took the first epoch's
+        indices unrecorded."""
+        if train_loaders(trainer):
+            check("ResumeState", trainer, NEEDS)
         self.instrument(trainer)
         loaders = train_loaders(trainer)
         recorded = [loader for loader in loaders if _recorder(loader) is not None]
@@ -257,26 +280,21 @@ class _RestartAtFirstFetch(Iterator[Any]):
 
     def __next__(self) -> Any:
         if self.keep is None:
-            iterator = iter(self.fetcher.combined_loader)
+            iterator = iter(fetcher_loader(self.fetcher))
         else:
             now, kept = get_rng_state(cuda=False), [(g, g.get_state()) for g in self.keep]
-            iterator = iter(self.fetcher.combined_loader)
+            iterator = iter(fetcher_loader(self.fetcher))
             set_rng_state(now)
             for generator, state in kept:
                 generator.set_state(state)
-        self.fetcher.iterator = iterator
+        set_fetcher_iterator(self.fetcher, iterator)
         return next(iterator)
 
 
 def _restart_at_first_fetch(trainer: pl.Trainer, keep: list[torch.Generator] | None) -> None:
-    fetcher = getattr(trainer.fit_loop, "_data_fetcher", None)
-    if fetcher is None or not hasattr(fetcher, "iterator") or not hasattr(fetcher, "combined_loader"):
-        raise RuntimeError(
-            "ResumeState restarts the training iterator through Trainer.fit_loop._data_fetcher (Lightning 2.6), "
-            f"which Lightning {pl.__version__} does not have: pin lightning==2.6.* or remove ResumeState"
-        )
-    if getattr(fetcher, "batches", None):  # an unsized loader: Lightning fetched a batch ahead, from this iterator
+    fetcher = data_fetcher(trainer, "ResumeState")
+    if fetched_ahead(fetcher):  # an unsized loader: Lightning fetched a batch ahead, from this iterator
         rank_zero_warn("the train loaders have no length, so Lightning fetched a batch already: their order is not "
                        "restored")  # fmt: skip
         return
-    fetcher.iterator = _RestartAtFirstFetch(fetcher, keep)
+    set_fetcher_iterator(fetcher, _RestartAtFirstFetch(fetcher, keep))

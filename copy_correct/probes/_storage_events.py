@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from copy_correct._torch_internals import TorchDispatchMode, op_schema, tree_leaves
 
 # In-place ops that change metadata (shape, strides, storage pointer), not data.
 _METADATA_ONLY = frozenset(
@@ -110,7 +110,7 @@ def _caller() -> str | None:
 
 def _written_args(func: Any, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     written: list[torch.Tensor] = []
-    for i, arg in enumerate(func._schema.arguments):
+    for i, arg in enumerate(op_schema(func).arguments):
         if arg.alias_info is None or not arg.alias_info.is_write:
             continue
         value = args[i] if i < len(args) else kwargs.get(arg.name)
@@ -177,7 +177,7 @@ class StorageEvents:
         if self._in_deepcopy:
             return out
         name = _op_name(func)
-        if func._schema.is_mutable and name not in _METADATA_ONLY:
+        if op_schema(func).is_mutable and name not in _METADATA_ONLY:
             for t in _written_args(func, args, kwargs):
                 if _nbytes(t):
                     self.on_write(self._event(name, "write", t, _nbytes(t)))

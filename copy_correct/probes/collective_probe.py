@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+
+from copy_correct._torch_internals import TorchDispatchMode, tree_leaves
 
 __all__ = ["CollectiveProbe"]
 

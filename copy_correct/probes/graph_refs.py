@@ -32,8 +32,9 @@ from types import BuiltinFunctionType, FunctionType, MethodType, ModuleType
 from typing import Any
 
 import torch
-from torch._C._autograd import SavedTensor
 from torch.autograd.function import BackwardCFunction
+
+from copy_correct._torch_internals import READS_PACKED, saved_value
 
 __all__ = ["find_graph_refs", "graph_bytes"]
 
@@ -206,8 +207,8 @@ def _graph_storages(tensor: torch.Tensor, skip: set[int]) -> dict[int, int]:
 
 _SAVED_NAMES: dict[type, tuple[str, ...]] = {}  # per node type, the attributes holding what it saved
 # Newer torch reads what a saved tensor holds (``SavedTensor.data``) without running its unpack hook; older torch
-# offers only the unpacked tensor (``_saved_*``, a custom Function's ``saved_tensors``).
-_READS_PACKED = hasattr(SavedTensor, "data")
+# offers only the unpacked tensor (``_saved_*``, a custom Function's ``saved_tensors``): see _torch_internals.
+_READS_PACKED = READS_PACKED
 
 
 def _saved_tensors(node: Any) -> Iterator[torch.Tensor]:
@@ -224,7 +225,7 @@ def _saved_tensors(node: Any) -> Iterator[torch.Tensor]:
         except RuntimeError:  # freed by backward (a built-in node's SavedTensor reads as None instead)
             continue
         values.extend(value if isinstance(value, (list, tuple)) else [value])
-    values = [value.data if isinstance(value, SavedTensor) else value for value in values]
+    values = [saved_value(value) for value in values]
     if custom:
         values.extend(vars(node).values())  # tensors set on a custom Function's ctx: backward does not free them
     for value in values:

@@ -611,21 +611,24 @@ def before_the_fix(
     return run_with_ema
 
 
-Evaluated = tuple[list[dict[str, float]], list[dict[str, float]], list[dict[str, str]], Classifier, EMACallback]
+Evaluated = tuple[
+    list[dict[str, float]], list[dict[str, float]], list[dict[str, str]], Classifier, EMACallback, set[str]
+]
 
 
 def evaluate_with_a_csv_logger(directory: Path) -> Evaluated:
     """A user's classifier fitted for 2 epochs with validation, then validated and tested: what ``validate`` and
-    ``test`` return, and the rows of ``metrics.csv``."""
+    ``test`` return, the rows of ``metrics.csv`` and the names in ``trainer.callback_metrics`` after ``validate``."""
     pl.seed_everything(0)
     ema = EMACallback(decay=0.9)
     module = Classifier()
     t = trainer(directory, [ema], logger=CSVLogger(directory))
     t.fit(module, labelled(), labelled(48))
     validated = t.validate(module, labelled(48), verbose=False)
+    names = set(t.callback_metrics)
     tested = t.test(module, labelled(48), verbose=False)
     with open(Path(t.log_dir or directory) / "metrics.csv") as file:
-        return validated, tested, list(csv.DictReader(file)), module, ema
+        return validated, tested, list(csv.DictReader(file)), module, ema, names
 
 
 @pytest.fixture(scope="module")
@@ -640,8 +643,9 @@ def evaluated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Evaluated]:
 def test_validate_and_test_return_the_ema_metrics_beside_the_live_ones(
     evaluated: dict[str, Evaluated], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    validated, tested, _, module, ema = evaluated["fixed"]
+    validated, tested, _, module, ema, names = evaluated["fixed"]
     assert [set(d) for d in validated] == [{"val/loss", "val/acc", "val/loss_ema", "val/acc_ema"}]
+    assert {"val/loss", "val/acc", "val/loss_ema", "val/acc_ema"} <= names  # what ModelCheckpoint monitors
     assert [set(d) for d in tested] == [{"test/loss", "test/acc", "test/loss_ema", "test/acc_ema"}]
     assert ema.ema is not None
     plain = trainer(tmp_path, [])  # what the live weights and the average give when each is validated on its own

@@ -9,14 +9,12 @@ from typing import Any
 
 import pytest
 import torch
-from torch._C._autograd import SavedTensor
 from torch.utils.checkpoint import checkpoint
 from torchmetrics.classification import MulticlassAUROC
 
+from copy_correct._torch_internals import READS_PACKED
 from copy_correct.probes import MemoryProbe, find_graph_refs, graph_bytes, graph_refs
 from tests.conftest import DEVICES
-
-READS_PACKED = hasattr(SavedTensor, "data")
 
 
 def _graph(device: str = "cpu") -> torch.Tensor:
