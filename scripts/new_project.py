@@ -124,7 +124,11 @@ class SourceTree:
         for node in self.tree(package).body:
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(f"{package}."):
                 names.update({alias.asname or alias.name: node.module for alias in node.names})
-            elif not (_is_docstring_or_all(node) or (isinstance(node, ast.ImportFrom) and node.module == "__future__")):
+            elif not (
+                _is_docstring_or_all(node)
+                or _is_requirement_check(node)
+                or (isinstance(node, ast.ImportFrom) and node.module == "__future__")
+            ):
                 return None
         return names or None
 
@@ -238,6 +242,16 @@ def _is_docstring(node: ast.stmt) -> bool:
 def _is_docstring_or_all(node: ast.stmt) -> bool:
     all_ = isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
     return all_ or _is_docstring(node)
+
+
+def _is_requirement_check(node: ast.stmt) -> bool:
+    """``try: import lightning.pytorch`` with a handler: an ``__init__`` that says in one line which extra to install
+    when a third-party requirement is missing (``copy_correct/lightning/``) still only re-exports."""
+    return (
+        isinstance(node, ast.Try)
+        and all(isinstance(stmt, ast.Import) for stmt in node.body)
+        and all(not alias.name.startswith("copy_correct") for stmt in node.body for alias in stmt.names)
+    )
 
 
 def _string_constants(tree: ast.Module) -> Iterable[str]:
@@ -436,27 +450,34 @@ def _pyproject(
 
     def own_extras(match: re.Match[str]) -> str:
         kept = [extra for extra in match[1].split(",") if extra not in dropped_extras]
-        return f'"{name}[{",".join(kept)}]", ' if kept else ""
+        return f'"{name}[{",".join(kept)}]",{match[2]}' if kept else ""
 
-    text = re.sub(rf'"{re.escape(ours)}\[([\w,]+)\]",\s*', own_extras, text)
+    text = re.sub(rf'"{re.escape(ours)}\[([\w,]+)\]",(\s*)', own_extras, text)
     providers = packages_distributions()
     needed = {_dist_key(d) for top in imports for d in providers.get(top, [top])}
-    block = re.search(r"^dependencies = \[\n(.*?)^\]", text, re.M | re.S)
-    if block is None:
+    if re.search(r"^dependencies = \[\n(.*?)^\]", text, re.M | re.S) is None:
         raise StarterError("pyproject.toml has no `dependencies = [` list, one entry per line")
     optional = re.search(r"^\[project\.optional-dependencies\]\n(.*?)(?=^\[|\Z)", text, re.M | re.S)
     extras = {_dist_key(n) for n in re.findall(r'"([A-Za-z0-9][A-Za-z0-9._-]*)', optional[1] if optional else "")}
-    lines, kept, dropped = [], [], []
-    for line in block[1].splitlines(keepends=True):
-        match = _DEP_NAME.match(line)
-        if match is None or _dist_key(match[1]) in needed:
-            lines.append(line)
-            kept += [match[1]] if match else []
-        else:
-            dropped.append(match[1])
+    kept, dropped = [], []
+    # The core's requirements, and the `recipes` extra's (what the clone's recipes import), one entry per line: each
+    # kept only if the starter's code imports it.
+    for list_name in ("dependencies", "recipes"):
+        block = re.search(rf"^{list_name} = \[\n(.*?)^\]", text, re.M | re.S)
+        if block is None:
+            continue
+        lines = []
+        for line in block[1].splitlines(keepends=True):
+            match = _DEP_NAME.match(line)
+            if match is None or _dist_key(match[1]) in needed or match[1] == name:
+                lines.append(line)
+                kept += [match[1]] if match and match[1] != name else []
+            else:
+                dropped.append(match[1])
+        text = text[: block.start(1)] + "".join(lines) + text[block.end(1) :]
     added = sorted(needed - {_dist_key(d) for d in kept + dropped} - extras)
-    dependencies = "".join(lines) + "".join(f'    "{dist}",\n' for dist in added)
-    text = text[: block.start(1)] + dependencies + text[block.end(1) :]
+    block = re.search(r"^dependencies = \[\n(.*?)^\]", text, re.M | re.S)
+    text = text[: block.end(1)] + "".join(f'    "{dist}",\n' for dist in added) + text[block.end(1) :]
     text = re.sub(r'^name = ".*"$', f'name = "{name}"', text, count=1, flags=re.M)
     summary = re.sub(r"^Recipe `\w+`:\s*", "", _first_paragraph(_docstring(root / "recipes" / f"{recipe}.py")))
     description = json.dumps(f"Started from copy-correct's {recipe} recipe: {summary}")

@@ -17,6 +17,15 @@ Probes:
     GraphRetentionCallback  ``GraphRetentionGuard`` after every training batch, on the step's outputs and the module
 """
 
+# Lightning is the `lightning` extra, not a requirement of the tensor parts: without it, one line that says what to
+# install, not a traceback from the first adapter that imports it.
+try:
+    import lightning.pytorch  # noqa: F401
+except ModuleNotFoundError as missing:
+    raise ImportError(
+        f"copy_correct.lightning needs Lightning ({missing.name} is missing): pip install 'copy-correct[lightning]'"
+    ) from None
+
 from copy_correct.lightning.atomic_checkpoint import AtomicCheckpointIO
 from copy_correct.lightning.atomic_sharded_checkpoint import AtomicModelParallelStrategy
 from copy_correct.lightning.data_wait import DataWaitMonitor

@@ -9,12 +9,15 @@ with the recipes packaged too (this project's layout before the package had a na
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import re
 import shutil
 import subprocess
 import sys
 import sysconfig
 import zipfile
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -101,16 +104,9 @@ print(json.dumps({{
 
 
 def test_installed_in_a_fresh_venv_beside_a_users_components_and_recipes(wheel: Path, tmp_path: Path) -> None:
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    python = venv / "bin" / "python"
-    result = subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-deps", "--no-index", str(wheel)],
-        capture_output=True, text=True, timeout=300, env=env_without_checkout(),
-    )  # fmt: skip
+    python, site = fresh_venv(tmp_path / "venv")
+    result = pip_install(python, wheel, "--no-deps")
     assert result.returncode == 0, result.stderr[-3000:]
-    site = Path(subprocess.check_output([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                                        text=True, env=env_without_checkout()).strip())  # fmt: skip
     # The dependencies (torch, Lightning, ...) come from this environment's site-packages, appended after the fresh
     # one's: a .pth line adds the folder only, so this environment's editable install of the checkout is not loaded.
     dependencies = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
@@ -128,3 +124,155 @@ def test_installed_in_a_fresh_venv_beside_a_users_components_and_recipes(wheel: 
     assert Path(found["copy_correct"]).resolve().is_relative_to(site.resolve())
     assert found["heavy"] == []
     assert found["ours"] == []  # none from the wheel (a peer may install one: torchrl has a top-level benchmarks)
+
+
+def fresh_venv(venv: Path) -> tuple[Path, Path]:
+    """A new virtual environment with nothing installed (no pip): its interpreter and its site-packages."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    site = subprocess.check_output(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True,
+        env=env_without_checkout(),
+    )  # fmt: skip
+    return python, Path(site.strip())
+
+
+def pip_install(python: Path, wheel: Path, *options: str) -> subprocess.CompletedProcess[str]:
+    """This environment's pip installs ``wheel`` into the venv of ``python``, from no index (nothing downloaded)."""
+    return subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "-q", "--no-index", *options, str(wheel)],
+        capture_output=True, text=True, timeout=300, env=env_without_checkout(),
+    )  # fmt: skip
+
+
+def metadata_file(wheel: Path, name: str) -> str:
+    """One file of the wheel's ``.dist-info`` folder, as text."""
+    with zipfile.ZipFile(wheel) as archive:
+        (path,) = [path for path in archive.namelist() if path.endswith(f".dist-info/{name}")]
+        return archive.read(path).decode()
+
+
+def requirements(wheel: Path) -> dict[str, set[str]]:
+    """The wheel's ``Requires-Dist`` names, by extra (``""``: what every install takes)."""
+    by_extra: dict[str, set[str]] = {}
+    for requirement, marker in re.findall(r"^Requires-Dist: ([^;\n]+);?(.*)$", metadata_file(wheel, "METADATA"), re.M):
+        extra = re.search(r"extra == \"([^\"]+)\"", marker)
+        name = re.match(r"[\w.-]+(\[[^\]]*\])?", requirement)[0].lower()
+        by_extra.setdefault(extra[1] if extra else "", set()).add(name)
+    return by_extra
+
+
+def test_each_layer_requires_only_what_it_imports(wheel: Path) -> None:
+    needs = requirements(wheel)
+    assert needs[""] == {"torch", "numpy"}  # the tensor parts and the probes
+    assert needs["lightning"] == {"lightning", "torchmetrics"}  # the adapters (torchmetrics: for the LightningModules)
+    recipes = {"copy-correct[lightning]", "hydra-core", "omegaconf", "scikit-learn", "gymnasium", "matplotlib"}
+    assert needs["recipes"] == recipes | {"pillow", "tqdm"}
+    assert "copy-correct[atari,docs,recipes,test]" in needs["dev"]  # the README's install: every layer, the tools
+
+
+def test_the_lightning_floor_and_ceiling_are_the_tested_ones(wheel: Path) -> None:
+    # 2.6.6: earlier releases run code named in a checkpoint (CVE-2026-58659); <2.7: the adapters use its internals.
+    assert 'Requires-Dist: lightning<2.7,>=2.6.6; extra == "lightning"' in metadata_file(wheel, "METADATA")
+
+
+def test_the_documented_command_is_a_console_script_of_the_wheel(wheel: Path) -> None:
+    assert "copy-correct = copy_correct.cli:main" in metadata_file(wheel, "entry_points.txt").splitlines()
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def distributions_needed_by(names: Iterable[str]) -> set[str]:
+    """These installed distributions and every installed one they require here, transitively (extras left out; a
+    requirement not installed, as the nvidia-* of a CUDA build are not beside a CPU build, is skipped)."""
+    from packaging.markers import Marker  # installed with pip's tools here
+
+    seen: set[str] = set()
+    todo = [canonical(name) for name in names]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        for requirement in importlib.metadata.requires(name) or []:
+            spec, _, marker = requirement.partition(";")
+            if "extra" in marker or (marker.strip() and not Marker(marker).evaluate()):
+                continue
+            dependency = canonical(re.match(r"[\w.-]+", spec.strip())[0])
+            try:
+                importlib.metadata.distribution(dependency)
+            except importlib.metadata.PackageNotFoundError:
+                continue
+            todo.append(dependency)
+    return seen
+
+
+def give_torch_only(site: Path, dest: Path) -> None:
+    """Put torch and numpy, with what they require and nothing else of this environment, on the path of the venv
+    whose site-packages is ``site``: ``dest`` holds links to their import packages and metadata (no copy, no
+    download), named by a ``.pth`` file there. pip sees them as installed; Lightning and Hydra are not there."""
+    dest.mkdir()
+    for name in distributions_needed_by(["torch", "numpy"]):
+        distribution = importlib.metadata.distribution(name)
+        base = Path(distribution.locate_file(""))
+        for top in {Path(str(f)).parts[0] for f in distribution.files or [] if not str(f).startswith("..")}:
+            if (base / top).exists() and not (dest / top).exists():
+                (dest / top).symlink_to(base / top)
+    (site / "torch-only.pth").write_text(f"{dest}\n")
+
+
+# The core install's check, run by the fresh venv's interpreter from a folder outside the checkout.
+CORE_PROBE = f"""
+import json, sys
+import copy_correct, copy_correct.probes
+from copy_correct import *
+from copy_correct.probes import *
+found = {{"parts": sorted(copy_correct.__all__), "probes": sorted(copy_correct.probes.__all__),
+         "heavy": sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r}))}}
+try:
+    import copy_correct.lightning
+except ImportError as refused:
+    found["adapters"] = str(refused)
+print(json.dumps(found))
+"""
+
+
+def test_the_core_alone_installs_beside_torch_and_numpy_and_imports_its_parts_and_probes(
+    wheel: Path, tmp_path: Path
+) -> None:
+    import copy_correct.probes
+
+    python, site = fresh_venv(tmp_path / "venv")
+    give_torch_only(site, tmp_path / "torch-only")
+    # Not --no-deps: pip checks the core's requirements against what the venv has, with no index to fetch from, so
+    # the install fails if the core needs anything beyond torch and numpy (the control below).
+    result = pip_install(python, wheel)
+    assert result.returncode == 0, result.stderr[-3000:]
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    run = subprocess.run(
+        [python, "-c", CORE_PROBE], cwd=outside, capture_output=True, text=True, timeout=300, env=env_without_checkout()
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = json.loads(run.stdout.splitlines()[-1])
+    assert found["parts"] == sorted(copy_correct.__all__) and found["probes"] == sorted(copy_correct.probes.__all__)
+    assert found["heavy"] == []
+    assert found["adapters"] == (
+        "copy_correct.lightning needs Lightning (lightning is missing): pip install 'copy-correct[lightning]'"
+    )
+
+
+def test_control_a_lightning_requirement_in_the_core_fails_the_torch_only_install(tmp_path: Path) -> None:
+    source = checkout_copy(tmp_path / "checkout")
+    pyproject = source / "pyproject.toml"
+    ours = "\ndependencies = ["
+    assert ours in pyproject.read_text()
+    pyproject.write_text(pyproject.read_text().replace(ours, f'{ours}"lightning", ', 1))
+    heavier = build_wheel(source, tmp_path / "dist")
+    assert requirements(heavier)[""] == {"torch", "numpy", "lightning"}
+    python, site = fresh_venv(tmp_path / "venv")
+    give_torch_only(site, tmp_path / "torch-only")
+    result = pip_install(python, heavier)
+    assert result.returncode != 0 and "lightning" in result.stderr
