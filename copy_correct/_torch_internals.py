@@ -1,10 +1,14 @@
 """torch's private and version-dependent surfaces, each used here and nowhere else in the package: the tensor parts
-(``_foreach_writes``, ``_nonfinite``, ``replay``) and the probes call through this module, which imports only torch.
-Each entry says what it relies on; all were checked on torch 2.13.0 (the package's floor is torch>=2.4).
+(``_foreach_writes``, ``_nonfinite``, ``replay``, the updates of ``ema``, ``power_ema`` and ``target``) and the
+probes call through this module, which imports only torch. Each entry says what it relies on; all were checked on
+torch 2.7.0, 2.13.0 and 2.14.1 (the package's floor is torch>=2.7; ``tools/versions/run.sh``).
 
 * ``increment_versions(tensors)``: every tensor's version counter raised by one, metadata only (no kernel, nothing
-  allocated). Through the public ``torch.autograd.graph.increment_version``, which takes a list in one call since
-  torch 2.5 (pytorch#132652); where it takes one tensor only (torch 2.4), each tensor gets its own call.
+  allocated). The public ``torch.autograd.graph.increment_version``, which takes a list in one call since torch 2.5
+  (pytorch#132652).
+* ``set_grad_enabled(mode)``: ``torch._C._set_grad_enabled``, what ``torch.no_grad()`` calls on entry and exit,
+  without the context manager's Python frames, which cost more than a small model's in-place update. Relies on it
+  setting the thread's grad mode and nothing else.
 * ``TorchDispatchMode`` (``torch.utils._python_dispatch``), ``tree_leaves`` (``torch.utils._pytree``) and
   ``op_schema(func)`` (an ``OpOverload``'s ``_schema``): the probes' mode below autograd. Relies on
   ``__torch_dispatch__(func, types, args, kwargs)`` being called for every ATen op while the mode is entered, and on
@@ -24,29 +28,22 @@ from typing import Any
 import torch
 from torch.autograd.graph import increment_version
 
-__all__ = ["READS_PACKED", "TorchDispatchMode", "increment_versions", "op_schema", "saved_value", "tree_leaves"]
+__all__ = [
+    "READS_PACKED",
+    "TorchDispatchMode",
+    "increment_versions",
+    "op_schema",
+    "saved_value",
+    "set_grad_enabled",
+    "tree_leaves",
+]
 
-
-def _takes_lists() -> bool:
-    with torch.inference_mode(False):
-        probe = torch.zeros((), device="cpu")  # never a default device's: importing initialises nothing
-    try:
-        increment_version([probe])
-    except (TypeError, RuntimeError):  # torch 2.4: "increment_version expect a Tensor as input"
-        return False
-    return probe._version == 1
-
-
-_TAKES_LISTS = _takes_lists()
+set_grad_enabled = torch._C._set_grad_enabled
 
 
 def increment_versions(tensors: Sequence[torch.Tensor]) -> None:
     """Raise the version counter of every tensor in ``tensors`` by one (an inference tensor has none: left alone)."""
-    if _TAKES_LISTS:
-        increment_version(tensors)
-    else:
-        for tensor in tensors:
-            increment_version(tensor)
+    increment_version(tensors)
 
 
 try:

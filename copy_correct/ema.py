@@ -102,6 +102,7 @@ from copy_correct._foreach_writes import foreach_copy_, foreach_lerp_
 from copy_correct._module_tensors import TensorRefs, state_entries, unwrap
 from copy_correct._nonfinite import NonFiniteGuard, refuse_nonfinite
 from copy_correct._sharding import from_local, is_sharded, layout, local, local_part, reshard
+from copy_correct._torch_internals import set_grad_enabled
 
 __all__ = ["EMA"]
 
@@ -395,7 +396,7 @@ class EMA:
         if not copy and (step - self.start_step) % self.update_every:
             return
         grad_was_enabled = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)  # a `with torch.no_grad()` block costs more than a small model's update
+        set_grad_enabled(False)  # a `with torch.no_grad()` block costs more than a small model's update
         try:
             if self._guard is not None:
                 for index, group in enumerate(self._groups):
@@ -413,7 +414,7 @@ class EMA:
                     else:
                         foreach_copy_(group.shadows, lives)
         finally:
-            torch._C._set_grad_enabled(grad_was_enabled)
+            set_grad_enabled(grad_was_enabled)
         if not copy:
             self.num_updates += 1
 

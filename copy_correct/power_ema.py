@@ -81,6 +81,7 @@ from copy_correct._foreach_writes import foreach_copy_, foreach_lerp_
 from copy_correct._module_tensors import TensorRefs, state_entries, unwrap
 from copy_correct._nonfinite import ProfilesGuard, refuse_nonfinite
 from copy_correct._sharding import from_local, is_sharded, layout, local, local_part
+from copy_correct._torch_internals import set_grad_enabled
 from copy_correct.power_function import SIGMA_REL_MAX, sigma_rel_to_gamma
 
 __all__ = ["SNAPSHOT_FORMAT", "PowerEMA", "snapshot_name"]
@@ -329,7 +330,7 @@ class PowerEMA:
             return
         weights = [1.0 - beta for beta in self.betas(self.step, self.updated_step)]
         grad_was_enabled = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
+        set_grad_enabled(False)
         try:
             for index, group in enumerate(self._groups):
                 lives = group.live.resolve()
@@ -352,7 +353,7 @@ class PowerEMA:
             if self._guard is not None:
                 self._guard.update_profiles(self.step)
         finally:
-            torch._C._set_grad_enabled(grad_was_enabled)
+            set_grad_enabled(grad_was_enabled)
         self.updated_step = self.step
         if self.snapshot_every is not None and self.step % self.snapshot_every == 0:
             self.save_snapshot(self.snapshot_dir)

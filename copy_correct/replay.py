@@ -67,6 +67,7 @@ import torch
 from copy_correct._autoreset import parse_mode
 from copy_correct._checks import device as checked_device
 from copy_correct._checks import integer, integral, shown
+from copy_correct._torch_internals import increment_versions
 
 __all__ = ["ReplayBuffer"]
 
@@ -286,7 +287,7 @@ class ReplayBuffer:
             fast.reward[pos] = reward
             fast.terminated[pos] = terminated
             fast.truncated[pos] = truncated
-            torch._C._increment_version(self._version_of)  # what torch.autograd.graph.increment_version calls
+            increment_versions(self._version_of)
             pos += 1
             self.pos = 0 if pos == self.capacity else pos
             if self.size < self.capacity:
@@ -300,7 +301,7 @@ class ReplayBuffer:
             at = self.pos // rows.n
             o, a, r, n, te, tr = rows.arrays
             o[at], a[at], r[at], n[at], te[at], tr[at] = values
-            torch._C._increment_version(self._version_of)
+            increment_versions(self._version_of)
             self.pos = (self.pos + rows.n) % self.capacity
             self.size = min(self.size + rows.n, self.capacity)
             # next_step: the envs whose episode ended take their reset step next (count_nonzero: the cheapest look)
@@ -331,7 +332,7 @@ class ReplayBuffer:
         for env, value in finals:  # each over the next_obs row its env's transition was just written to
             row = env if skipped is None else env - int(skipped[:env].sum())
             self._final.writer[(pos + row) % self.capacity] = value
-        torch._C._increment_version(self._version_of)
+        increment_versions(self._version_of)
         self.pos = (pos + written) % self.capacity
         self.size = min(self.size + written, self.capacity)
         if self._next_step:

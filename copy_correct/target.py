@@ -73,6 +73,7 @@ from copy_correct._foreach_writes import foreach_copy_, foreach_lerp_
 from copy_correct._module_tensors import TensorRefs, state_entries, unwrap
 from copy_correct._nonfinite import NonFiniteGuard
 from copy_correct._sharding import fsdp_modules, is_sharded, layout, reshard
+from copy_correct._torch_internals import set_grad_enabled
 
 __all__ = ["hard_update", "make_target", "skipped_updates", "soft_update"]
 
@@ -144,7 +145,7 @@ def _update(
     public function whose argument order a new pair is checked for (``None``: not checked)."""
     groups = _pairs(target, online, caller)
     grad_was_enabled = torch.is_grad_enabled()
-    torch._C._set_grad_enabled(False)  # what `with torch.no_grad()` does, at a fraction of a small network's update
+    set_grad_enabled(False)  # what `with torch.no_grad()` does, at a fraction of a small network's update
     try:
         if skip_nonfinite:
             guard = _guard(unwrap(target), groups)
@@ -158,7 +159,7 @@ def _update(
             else:
                 foreach_copy_(group.target.resolve(), group.online.resolve())
     finally:
-        torch._C._set_grad_enabled(grad_was_enabled)
+        set_grad_enabled(grad_was_enabled)
 
 
 # Per target, its guard and the target tensors (and their data pointers) it was built on, rebuilt when they change: new

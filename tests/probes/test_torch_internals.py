@@ -1,5 +1,5 @@
 """torch's private and version-dependent surfaces (``copy_correct._torch_internals``): ``increment_versions`` raises
-each tensor's version by one, in one call or, where torch takes one tensor at a time, one per tensor; a torch without
+each listed tensor's version by one; ``set_grad_enabled`` sets the grad mode as ``torch.no_grad`` does; a torch without
 the dispatch-mode modules still imports the package, and its probes refuse to be entered, in one line naming the torch
 version. Each with its control."""
 
@@ -9,19 +9,13 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 import torch
 
-from copy_correct import _torch_internals
-from copy_correct._torch_internals import increment_versions
+from copy_correct._torch_internals import increment_versions, set_grad_enabled
 from copy_correct.probes import CollectiveProbe, CopyAudit
 
 
-@pytest.mark.parametrize("takes_lists", [True, False], ids=["one call", "one per tensor"])
-def test_increment_versions_raises_each_listed_tensor_by_one(
-    takes_lists: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(_torch_internals, "_TAKES_LISTS", takes_lists)
+def test_increment_versions_raises_each_listed_tensor_by_one() -> None:
     listed, other = [torch.zeros(2), torch.ones(3)], torch.zeros(2)
     before = [t._version for t in listed]
     increment_versions(listed)
@@ -29,8 +23,14 @@ def test_increment_versions_raises_each_listed_tensor_by_one(
     assert other._version == 0  # the control: a tensor not listed keeps its version
 
 
-def test_the_torch_installed_takes_a_list_in_one_call() -> None:
-    assert _torch_internals._TAKES_LISTS is (tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5))
+def test_set_grad_enabled_sets_the_grad_mode_and_restores_it() -> None:
+    weight = torch.ones(2, requires_grad=True)
+    set_grad_enabled(False)
+    try:
+        assert not torch.is_grad_enabled() and (weight * 2).grad_fn is None
+    finally:
+        set_grad_enabled(True)
+    assert torch.is_grad_enabled() and (weight * 2).grad_fn is not None  # the control: grad mode on records a graph
 
 
 def test_without_torchs_dispatch_mode_the_package_imports_and_its_probes_refuse_in_one_line() -> None:
