@@ -272,7 +272,7 @@ def posthoc_frechet_distances(run: Run, sigma_rels: Sequence[float]) -> dict[str
     if last["step"] != callback.power_ema.step:  # the generator's optimizer steps (global_step counts D's too)
         raise ValueError(
             f"the last snapshot in {directory} is of step {last['step']}, the run ended at step "
-            f"{callback.power_ema.step}: make callbacks.posthoc_ema.snapshot_every a divisor of it"
+            f"{callback.power_ema.step}: PostHocEMACallback's final snapshot is missing"
         )
     generator, prefix = gan.generator, "generator."  # the snapshots name tensors as the GAN's state_dict does
     z = torch.randn(
