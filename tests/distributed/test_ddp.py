@@ -4,6 +4,7 @@ run resumed from a checkpoint ends on every rank as the uninterrupted one, per-r
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from copy_correct.posthoc_ema import load_snapshot
 from tests.conftest import ROOT, child_env
 
 SHORT = {
@@ -53,12 +55,13 @@ def assert_same_tensors(left: dict, right: dict, skip: set[str] = frozenset()) -
         assert torch.equal(left[name], right[name]), name
 
 
-def assert_one_run_directory(cwd: Path, recipe: str) -> Path:
-    """One Hydra run directory for both ranks, holding one set of checkpoints and one summary."""
+def assert_one_run_directory(cwd: Path, recipe: str, *folders: str) -> Path:
+    """One Hydra run directory for both ranks, holding one set of checkpoints (and ``folders`` beside them) and one
+    summary."""
     assert sorted(p.name for p in cwd.iterdir()) == ["outputs", "ranks"]
     (run,) = (cwd / "outputs" / recipe).iterdir()
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) in (
-        ["epoch001.ckpt", "last.ckpt"], ["epoch000.ckpt", "last.ckpt"]
+        sorted(["epoch001.ckpt", "last.ckpt", *folders]), sorted(["epoch000.ckpt", "last.ckpt", *folders])
     )  # fmt: skip
     assert (run / "summary.json").is_file() and (run / "train_ddp_process_1.log").is_file()
     return run
@@ -94,7 +97,10 @@ def gan_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, dict]
 
 def test_gan_trains_under_ddp_with_identical_networks_and_generator_ema(gan_run: tuple[Path, dict, dict]) -> None:
     cwd, rank0, rank1 = gan_run
-    assert_one_run_directory(cwd, "gan")
+    run = assert_one_run_directory(cwd, "gan", "power_ema")
+    # The post-hoc EMA's final snapshot, of a run shorter than its schedule: one file, written by rank 0 alone.
+    (snapshot,) = (run / "checkpoints" / "power_ema").iterdir()
+    assert re.fullmatch(r"power-ema-\d{9}\.pt", snapshot.name) and load_snapshot(snapshot)["final"] is True
     assert_same_tensors(rank0["model"], rank1["model"])
     assert_same_tensors(rank0["ema"], rank1["ema"])
     assert_same_tensors(rank0["metrics"], rank1["metrics"], skip=RANK_LOCAL)
