@@ -208,6 +208,20 @@ def test_gpu_check_dry_run_writes_a_report(tmp_path: Path) -> None:
     assert "## The manual's GPU claims (dry run" in text  # reported, not enforced
 
 
+def test_gpu_check_past_its_time_limit_names_every_step_it_did_not_run(tmp_path: Path) -> None:
+    """A check out of time writes a report that names each step it did not run, and fails."""
+    report = tmp_path / "gpu-results.md"
+    result = subprocess.run(
+        [sys.executable, "-m", "tools.gpu_check.check", "--dry-run", "--time-limit", "1e-9", "--output", str(report)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-3000:]
+    verdict = report.read_text().splitlines()[2]
+    assert verdict.startswith("**INCOMPLETE: not run within --time-limit: pytest -m gpu, benchmarks.stream")
+    assert verdict.count(", ") == 13 and "recipe pinned" in verdict  # 1 + 7 benchmarks + GPU scale + 5 recipes
+    assert "## Copy bandwidth" in report.read_text() and "## Benchmarks" not in report.read_text()
+
+
 def test_gpu_check_refuses_to_run_without_a_gpu() -> None:
     import torch
 

@@ -18,6 +18,10 @@ Steps, each recorded in the report:
      their ratio and the share of time spent waiting for data, from each run's summary.json;
   6. a short training run of each recipe with ``trainer=gpu``, its summary.json figures.
 
+The report is rewritten after every step, so a check stopped from outside leaves what it measured, headed
+``INCOMPLETE`` with the step it was in; ``--time-limit S`` skips the steps that would start after S seconds and names
+them (the H200 run of 2026-12-04 with ``--budget 2`` took over 545 s and was stopped in the recipe runs).
+
 The claims the manual makes for a GPU (``docs/guides/testing.md``, "What a GPU run must show") are checked against
 what the run measured (``CLAIMS``); the report says which hold. Exit status 1 when a test, a benchmark, a recipe run
 or a claim fails. ``--suite`` runs the default suite (``pytest -m "not slow"``) instead, as a user with a GPU would:
@@ -97,8 +101,9 @@ def _gbs(fn: object, nbytes: int, device: torch.device) -> float:
 def run(command: list[str], log: list[str], timeout: int = 600) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     print("$", " ".join(command), flush=True)
+    start = time.perf_counter()
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
-    log.append(f"$ {' '.join(command)}  (exit {result.returncode})")
+    log.append(f"$ {' '.join(command)}  (exit {result.returncode}, {time.perf_counter() - start:.0f} s)")
     return result
 
 
@@ -211,11 +216,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--suite", action="store_true", help='run the default suite (-m "not slow") instead')
     parser.add_argument("--budget", type=float, default=None, help="seconds of timing per benchmark configuration")
     parser.add_argument("--output", type=Path, default=None, help="default: docs/gpu-results.md (--suite: gpu-suite)")
+    parser.add_argument(
+        "--time-limit", type=float, default=None, help="seconds: steps that would start later are not run (named)"
+    )
     args = parser.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         parser.error("no CUDA GPU is available: run on a GPU machine, or pass --dry-run to rehearse on the CPU")
     if args.budget is not None and not args.budget > 0:
         parser.error(f"--budget must be > 0 seconds, got {args.budget:g}")
+    if args.time_limit is not None and not args.time_limit > 0:
+        parser.error(f"--time-limit must be > 0 seconds, got {args.time_limit:g}")
     device = torch.device("cpu" if args.dry_run else "cuda")
     if args.output is None:
         args.output = ROOT / "docs" / ("gpu-suite.md" if args.suite else "gpu-results.md")
@@ -226,70 +236,124 @@ def main(argv: list[str]) -> int:
     failures: list[str] = []
     claims: list[tuple[str, bool]] = []
     sections = [
-        "# GPU results\n",
         *header(device),
         "## Copy bandwidth (the limit)\n\n| copy | GB/s |\n| --- | ---: |\n"
         + "\n".join(copy_bandwidth(device, args.dry_run)),
     ]
+    report = Report(args.output, sections, failures, claims, log, enforced=not args.dry_run)
+    clock = Clock(args.time_limit)
 
     with tempfile.TemporaryDirectory() as tmp:
-        junit = Path(tmp) / "gpu-tests.xml"
-        tests = run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rA", f"--junitxml={junit}"], log, 900)
-        summary = tests.stdout.strip().splitlines()[-1] if tests.stdout.strip() else "no output"
-        if tests.returncode not in (0, 5):  # 5: nothing collected (a dry run may select nothing)
-            failures.append(f"gpu tests: {summary}")
-        sections.append(f"## GPU tests (`pytest -m gpu`)\n\n{summary}\n\n" + _test_table(tests.stdout))
+        if clock.allows("pytest -m gpu", report):
+            junit = Path(tmp) / "gpu-tests.xml"
+            tests = run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rA", f"--junitxml={junit}"], log, 900)
+            summary = tests.stdout.strip().splitlines()[-1] if tests.stdout.strip() else "no output"
+            if tests.returncode not in (0, 5):  # 5: nothing collected (a dry run may select nothing)
+                failures.append(f"gpu tests: {summary}")
+            sections.append(f"## GPU tests (`pytest -m gpu`)\n\n{summary}\n\n" + _test_table(tests.stdout))
+            report.write()
 
         bench_file = Path(tmp) / "bench.md"
         flags = ["--quick", "--budget", "0.5"] if args.dry_run else ["--device", "cuda"]
         if args.budget is not None and not args.dry_run:
             flags += ["--budget", f"{args.budget:g}"]
-        for module in (
-            "benchmarks.stream",
-            "benchmarks.ema",
-            "benchmarks.posthoc_ema",
-            "benchmarks.target",
-            "benchmarks.replay",
-            "benchmarks.gan",
-            "benchmarks.loading",
-        ):
+        sections.append("")  # the benchmarks' tables, as each script adds its section
+        for module in BENCHMARKS:
+            if not clock.allows(module, report):
+                continue
             result = run([sys.executable, "-m", module, *flags, "--output", str(bench_file)], log)
             if result.returncode != 0:
                 failures.append(f"{module}: exit {result.returncode}: {result.stderr.strip().splitlines()[-1:]}")
+            if bench_file.exists():
+                sections[-1] = "## Benchmarks\n\n" + bench_file.read_text().split("\n", 1)[1].strip()
+            report.write()
         if bench_file.exists():
-            sections.append("## Benchmarks\n\n" + bench_file.read_text().split("\n", 1)[1].strip())
             claims += copy_share_claims(bench_file.read_text())
 
         scale = GPU_SCALE + (GPU_SCALE_REHEARSAL if args.dry_run else [])
-        pair = {}
-        for prefetch in ("true", "false"):
-            overrides = [*scale, f"data.prefetch={prefetch}"]
-            code, metrics = train_run("pinned", overrides, Path(tmp) / f"scale-{prefetch}", args.dry_run, log)
-            if code != 0:
-                failures.append(f"pinned at GPU scale, data.prefetch={prefetch}: exit {code}")
-            pair[prefetch] = metrics
-        claims += prefetch_claims(pair["true"], pair["false"])
-        sections.append(_scale_table(pair, scale))
+        if clock.allows("pinned at GPU scale", report):
+            pair = {}
+            for prefetch in ("true", "false"):
+                overrides = [*scale, f"data.prefetch={prefetch}"]
+                code, metrics = train_run("pinned", overrides, Path(tmp) / f"scale-{prefetch}", args.dry_run, log)
+                if code != 0:
+                    failures.append(f"pinned at GPU scale, data.prefetch={prefetch}: exit {code}")
+                pair[prefetch] = metrics
+            claims += prefetch_claims(pair["true"], pair["false"])
+            sections.append(_scale_table(pair, scale))
+            report.write()
 
         rows = ["| recipe | overrides | exit | figures from summary.json |", "| --- | --- | ---: | --- |"]
+        sections.append("")
         for number, (recipe, overrides) in enumerate(RECIPE_RUNS):
+            if not clock.allows(f"recipe {recipe}", report):
+                continue
             code, metrics = train_run(recipe, overrides, Path(tmp) / f"{number}-{recipe}", args.dry_run, log)
             if code != 0:
                 failures.append(f"recipe {recipe}: exit {code}")
             figures = ", ".join(f"{k} {v:.4g}" for k, v in metrics.items() if _shown(k))
             rows.append(f"| {recipe} | `{' '.join(overrides)}` | {code} | {figures} |")
-        sections.append("## Recipes with `trainer=gpu`, short runs\n\n" + "\n".join(rows))
+            sections[-1] = "## Recipes with `trainer=gpu`, short runs\n\n" + "\n".join(rows)
+            report.write()
 
-    enforced = not args.dry_run
-    sections.insert(1, _claims_section(claims, enforced))
-    if enforced:
-        failures += [f"claim not met: {text}" for text, held in claims if not held]
-    sections.append("## Commands\n\n" + "\n".join(f"- `{line}`" for line in log))
-    verdict = "FAILED: " + "; ".join(failures) if failures else "all steps passed"
-    sections.insert(1, f"**{verdict}**\n")
-    _write(args.output, sections)
+    verdict = report.write(finished=True)
     print(f"{verdict}\nwrote {args.output}")
-    return 1 if failures else 0
+    return 0 if verdict == "all steps passed" else 1
+
+
+BENCHMARKS = (
+    "benchmarks.stream",
+    "benchmarks.ema",
+    "benchmarks.posthoc_ema",
+    "benchmarks.target",
+    "benchmarks.replay",
+    "benchmarks.gan",
+    "benchmarks.loading",
+)
+
+
+class Clock:
+    """``--time-limit``: a step that would start after the limit is not run, and the report names it (a device
+    machine lent for minutes ends a call at its limit, and a stopped check writes nothing after that)."""
+
+    def __init__(self, limit: float | None) -> None:
+        self.limit, self.start, self.skipped = limit, time.perf_counter(), []
+
+    def allows(self, step: str, report: Report) -> bool:
+        elapsed = time.perf_counter() - self.start
+        if self.limit is None or elapsed < self.limit:
+            report.running = step
+            report.write()
+            return True
+        self.skipped.append(step)
+        report.skipped = self.skipped
+        return False
+
+
+class Report:
+    """The report, rewritten after every step: a check stopped from outside (a call's time limit, a kill) leaves what
+    it measured so far, headed ``INCOMPLETE`` with the step it was in."""
+
+    def __init__(self, output: Path, sections: list[str], failures: list[str], claims: list[tuple[str, bool]],
+                 log: list[str], enforced: bool) -> None:  # fmt: skip
+        self.output, self.sections, self.failures, self.claims, self.log = output, sections, failures, claims, log
+        self.enforced, self.running, self.skipped = enforced, "", []
+
+    def write(self, finished: bool = False) -> str:
+        unmet = [f"claim not met: {text}" for text, held in self.claims if self.enforced and not held]
+        failures = self.failures + unmet
+        if not finished:
+            verdict = f"INCOMPLETE: stopped during {self.running or 'the first step'}"
+        elif self.skipped:
+            verdict = "INCOMPLETE: not run within --time-limit: " + ", ".join(self.skipped)
+        else:
+            verdict = "all steps passed" if not failures else ""
+        if failures:
+            verdict = "; ".join(filter(None, [verdict, "FAILED: " + "; ".join(failures)]))
+        claims = [_claims_section(self.claims, self.enforced)] if finished else []
+        commands = "## Commands\n\n" + "\n".join(f"- `{line}`" for line in self.log)
+        _write(self.output, ["# GPU results\n", f"**{verdict}**\n", *claims, *self.sections, commands])
+        return verdict
 
 
 def _claims_section(claims: list[tuple[str, bool]], enforced: bool) -> str:
@@ -312,7 +376,7 @@ def _scale_table(pair: dict[str, dict[str, float]], overrides: list[str]) -> str
 
 def _write(path: Path, sections: list[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n\n".join(section.strip() for section in sections) + "\n")
+    path.write_text("\n\n".join(section.strip() for section in sections if section.strip()) + "\n")
 
 
 def _shown(key: str) -> bool:

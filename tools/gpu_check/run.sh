@@ -11,8 +11,10 @@
 #      machine's Python (pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
 #      manylinux_2_28_x86_64 -d wheels diffusers==0.42.1 ema-pytorch==0.8.3 stable-baselines3==2.9.2 timm==1.0.31
 #      torchrl==0.14.1 tensordict==0.14.3 ...). A peer that does not import there gets a row saying why.
-#   2. bash tools/gpu_check/run.sh [--budget S] -> docs/gpu-results.md; exit 1 if a test, a recipe run or a
-#      GPU claim of the manual failed (--budget: S seconds of timing per benchmark configuration)
+#   2. bash tools/gpu_check/run.sh [--budget S] [--time-limit T] -> docs/gpu-results.md; exit 1 if a test, a recipe
+#      run or a GPU claim of the manual failed, or a step was not run (--budget: S seconds of timing per benchmark
+#      configuration; --time-limit: no step starts after T seconds; with --budget 2 the whole check took over 545 s
+#      on an H200). The report is rewritten after each step, so a call stopped at its limit still leaves one.
 #   3. bash tools/gpu_check/run.sh --suite     -> docs/gpu-suite.md: the default suite on the GPU (minutes)
 # Nothing is fetched from the network. Extra arguments go to tools/gpu_check/check.py (python -m tools.gpu_check.check) (e.g. --dry-run);
 # PYTHON=path/to/python picks the interpreter (default python3).
