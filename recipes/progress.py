@@ -34,7 +34,11 @@ def progress_bar(style: str = "auto", enabled: bool = True) -> ProgressBar | Non
 class EpochLines(ProgressBar):
     """One line per training epoch on stdout, written when the epoch ends (after its validation, when it has one):
     the epoch, the optimizer steps so far, every metric the run has logged at epoch level (``trainer.callback_metrics``:
-    the latest value of each) and the epoch's wall time. Only global rank 0 writes."""
+    the latest value of each) and the epoch's wall time in this process. Only global rank 0 writes.
+
+    The clock starts at each epoch's start, and when training starts: a run resumed mid-epoch gets no
+    ``on_train_epoch_start`` for the epoch it resumes (Lightning calls it only for an epoch it begins), so its first
+    line gives the seconds since it started training, not since whenever its clock last read zero."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -46,6 +50,9 @@ class EpochLines(ProgressBar):
 
     def enable(self) -> None:
         self._enabled = True
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._started = time.perf_counter()
 
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._started = time.perf_counter()

@@ -8,6 +8,8 @@ Adapters:
     check_checkpoint     raises ``ValueError`` unless a checkpoint was stamped with this recipe and seed
     IsolatedEvaluation   each validation in ``fit`` leaves torch's, NumPy's and Python's generators as it found them
     RunSummary           writes ``summary.json`` (final metrics, recipe, seed)
+    LastCheckpoint       the resume point ``last.ckpt``: at every epoch's end, by steps and by time
+    StaleTemporaries     at start, removes the temporary files of killed writers in the checkpoint folders
     DataWaitMonitor      samples per second and the share of time spent waiting for batches
     AtomicCheckpointIO   checkpoints streamed to a file beside the target and renamed over it
     AtomicModelParallelStrategy  Lightning's FSDP2 strategy, its checkpoint directories written beside and swapped in
@@ -32,9 +34,11 @@ from copy_correct.lightning.data_wait import DataWaitMonitor
 from copy_correct.lightning.ema_callback import EMACallback
 from copy_correct.lightning.graph_guard import GraphRetentionCallback
 from copy_correct.lightning.isolated_evaluation import IsolatedEvaluation
+from copy_correct.lightning.last_checkpoint import LastCheckpoint
 from copy_correct.lightning.posthoc_ema_callback import PostHocEMACallback
 from copy_correct.lightning.resume import ResumeState, check_checkpoint
 from copy_correct.lightning.run_summary import RunSummary
+from copy_correct.lightning.stale_temporaries import StaleTemporaries
 from copy_correct.lightning.step_probe import StepProbe
 
 __all__ = [
@@ -44,9 +48,11 @@ __all__ = [
     "EMACallback",
     "GraphRetentionCallback",
     "IsolatedEvaluation",
+    "LastCheckpoint",
     "PostHocEMACallback",
     "ResumeState",
     "RunSummary",
+    "StaleTemporaries",
     "StepProbe",
     "check_checkpoint",
 ]

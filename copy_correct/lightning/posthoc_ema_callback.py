@@ -21,6 +21,16 @@ weights as Lightning saves them.
   or ending between two leaves its last step to synthesize from. That final snapshot says so (``"final": True``); it
   only reads the profiles, after the last checkpoint was saved. A run resumed from that step removes it once it writes
   a later snapshot, so a stopped and resumed run ends with the files of a run that was not stopped.
+* A run resumed into another directory (``train.py ... ckpt_path=``: always) starts by carrying the earlier snapshots
+  over from ``power_ema/`` beside the checkpoint it resumes from: each snapshot of the history up to the resumed step
+  (the final one of an earlier fit only at that step), as a hard link where the filesystem allows (no bytes copied;
+  the crashed run's files stay as they were), else an atomic copy (``copy_correct._link_or_copy``). The resumed run's
+  directory then holds the files of a run that was not stopped, and ``copy-correct posthoc`` on it gives the same
+  average; a run resumed from a resumed one carries the carried files on. Links rather than following the resume chain
+  at read time: the directory stands alone (the crashed one can be moved or deleted) and needs no record of where it
+  came from. With ``snapshot_dir`` given, nothing is carried (the same folder for both runs needs nothing).
+* Each snapshot names the step of the one before it in the history (``previous``, 0 for the first; kept in the
+  checkpoint state across a resume), so that ``copy_correct.snapshot_history`` can find a gap and name it.
 * Checkpoints hold the ``PowerEMA`` state (callback state, tensors and numbers only: loads with
   ``weights_only=True``); ``fit(ckpt_path=...)`` restores it, so a resumed run continues the profiles and the
   snapshots bit for bit.
@@ -65,11 +75,12 @@ import lightning.pytorch as pl
 import torch
 
 from copy_correct._atomic_save import atomic_save
+from copy_correct._link_or_copy import link_or_copy
 from copy_correct._sharding import is_sharded, layout
 from copy_correct.errors import CheckpointMismatch
 from copy_correct.lightning._distributed_state import read_into, store_under_keys
 from copy_correct.lightning._rank_zero_buffers import RankZeroBuffers
-from copy_correct.posthoc_ema import load_snapshot
+from copy_correct.posthoc_ema import load_snapshot, snapshot_paths
 from copy_correct.power_ema import PowerEMA, snapshot_name
 
 __all__ = ["PostHocEMACallback"]
@@ -113,6 +124,8 @@ class PostHocEMACallback(pl.Callback):
         self._fit_start_step = 0  # the profiles' step when this fit started training
         self._written: Path | None = None  # this fit's last snapshot
         self._stale: Path | None = None  # the final snapshot of the fit this one resumed, removed at the next one
+        self._previous: int | None = 0  # the step of the history's last scheduled snapshot; None: unknown (old state)
+        self.carried: list[tuple[Path, str]] = []  # what this fit carried over from the run it resumed: path, how
 
     @property
     def state_key(self) -> str:
@@ -148,8 +161,11 @@ class PostHocEMACallback(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._last_step = trainer.global_step  # after Lightning restored a resumed run's counters
         self._written = self._stale = None
+        self.carried = []
         if self.power_ema is not None and self._directory is not None:
             self._fit_start_step = self.power_ema.step
+            if self.power_ema.step > 0 and trainer.ckpt_path is not None and self.snapshot_dir is None:
+                self.carried = self._carry(Path(trainer.ckpt_path).parent / "power_ema", self.power_ema.applied_step)
             if self.power_ema.step > 0:
                 resumed_at = self._directory / self._snapshot_name(self.power_ema.applied_step)
                 if resumed_at.is_file() and load_snapshot(resumed_at).get("final", False):
@@ -197,14 +213,39 @@ class PostHocEMACallback(pl.Callback):
                 state["layout"] = {prefix + name: spread for name, spread in state["layout"].items()}
         if final:
             state["final"] = True
+        if self._previous is not None:
+            state["previous"] = self._previous
         path = atomic_save(
             state, Path(directory) / snapshot_name(state["step"], state.get("rank"), state.get("world_size"))
         )
+        if not final and self._directory is not None and Path(directory) == self._directory:
+            self._previous = int(state["step"])  # the next snapshot of this history follows this one
         if self._stale is not None and self._stale != path:
             self._stale.unlink(missing_ok=True)
             self._stale = None
         self._written = path
         return path
+
+    def _carry(self, source: Path, step: int) -> list[tuple[Path, str]]:
+        """Link (or copy) into this rank's snapshot directory the snapshots of ``source`` that belong to the history
+        up to ``step``: this rank's files of steps up to ``step``, a final one only at ``step`` (module docstring)."""
+        assert self._directory is not None and self.power_ema is not None
+        if not source.is_dir() or (self._directory.is_dir() and source.samefile(self._directory)):
+            return []
+        if self.power_ema.sharded:
+            import torch.distributed as dist
+
+            paths = snapshot_paths(source, rank=dist.get_rank())
+        else:
+            paths = snapshot_paths(source)
+        carried = []
+        for path in paths:
+            state = load_snapshot(path)  # memory-mapped: only the metadata is read
+            at = int(state["step"])
+            if at > step or (at < step and state.get("final", False)) or (self._directory / path.name).exists():
+                continue
+            carried.append((self._directory / path.name, link_or_copy(path, self._directory / path.name)))
+        return carried
 
     def _snapshot_name(self, step: int) -> str:
         """This rank's file name for a snapshot of ``step`` (``snapshot_name``, with the rank when sharded)."""
@@ -217,9 +258,10 @@ class PostHocEMACallback(pl.Callback):
     # -- checkpoints ----------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
+        previous = {"previous_snapshot": self._previous} if self._previous is not None else {}
         if self.power_ema is None:
-            return {} if self._pending is None else {"power_ema": self._pending}
-        return {"power_ema": self.power_ema.state_dict()}
+            return {} if self._pending is None else {"power_ema": self._pending, **previous}
+        return {"power_ema": self.power_ema.state_dict(), **previous}
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -245,6 +287,7 @@ class PostHocEMACallback(pl.Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "power_ema" not in state_dict:
             return
+        self._previous = state_dict.get("previous_snapshot")  # None from a checkpoint written before it was kept
         if self.power_ema is None:
             self._pending = state_dict["power_ema"]
         else:

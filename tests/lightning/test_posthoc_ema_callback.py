@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from copy_correct import PowerEMA, synthesize
 from copy_correct.lightning import PostHocEMACallback
 from copy_correct.posthoc_ema import load_snapshot, snapshot_paths
+from copy_correct.snapshot_history import check_snapshot_history, snapshot_gaps
 from tests.conftest import ROOT, child_env
 
 COMMAND = [sys.executable, "-m", "copy_correct", "posthoc"]  # copy-correct posthoc, from this checkout
@@ -125,6 +126,44 @@ def test_resume_continues_the_profiles_and_snapshots_bit_for_bit(tmp_path: Path)
     fit(tmp_path / "fresh", [fresh], epochs=2, ckpt_path=tmp_path / "without.ckpt")
     assert fresh.power_ema is not None and fresh.power_ema.step == 6  # counted from the resume: not the run's 12
     assert not torch.equal(fresh.power_ema.profiles[0]["net.0.weight"], straight.power_ema.profiles[0]["net.0.weight"])
+
+
+def test_a_run_resumed_into_another_directory_carries_the_earlier_snapshots_over_as_hard_links(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``train.py ... ckpt_path=`` resumes into a new directory: it holds the files of the run that was not stopped
+    (step 4 linked from the crashed run, 6's final one carried and removed at 8), the same average, a whole history.
+    The control, the resume without the carrying over, holds only its own snapshots: another average, and the gap,
+    named."""
+    fit(tmp_path / "straight", [PostHocEMACallback(snapshot_every=4)], epochs=2)
+    fit(tmp_path / "crashed", [PostHocEMACallback(snapshot_every=4)], epochs=1)  # step 6: snapshots 4 and 6 (final)
+    last = tmp_path / "crashed" / "checkpoints" / "last.ckpt"
+    resumed = PostHocEMACallback(snapshot_every=4)
+    fit(tmp_path / "resumed", [resumed], epochs=2, ckpt_path=last)
+    folders = {run: tmp_path / run / "checkpoints" / "power_ema" for run in ("straight", "crashed", "resumed")}
+    assert [(p.name, how) for p, how in resumed.carried] == [
+        ("power-ema-000000004.pt", "link"), ("power-ema-000000006.pt", "link")
+    ]  # fmt: skip
+    names = {run: [p.name for p in snapshot_paths(folder)] for run, folder in folders.items()}
+    assert names["resumed"] == names["straight"] == [f"power-ema-{t:09d}.pt" for t in (4, 8, 12)]
+    assert names["crashed"] == ["power-ema-000000004.pt", "power-ema-000000006.pt"]  # left as it was
+    first = [folders[run] / "power-ema-000000004.pt" for run in ("crashed", "resumed")]
+    assert first[0].stat().st_ino == first[1].stat().st_ino  # one file, two names
+    assert [load_snapshot(p).get("previous") for p in snapshot_paths(folders["resumed"])] == [0, 4, 8]
+    expected, ours = synthesize(folders["straight"], 0.08), synthesize(folders["resumed"], 0.08)
+    assert all(torch.equal(ours[k], v) for k, v in expected.items())
+    assert snapshot_gaps(folders["resumed"]) == []
+
+    monkeypatch.setattr(PostHocEMACallback, "_carry", lambda *args: [])  # the control: the callback as it was
+    fit(tmp_path / "control", [PostHocEMACallback(snapshot_every=4)], epochs=2, ckpt_path=last)
+    control = tmp_path / "control" / "checkpoints" / "power_ema"
+    assert [p.name for p in snapshot_paths(control)] == ["power-ema-000000008.pt", "power-ema-000000012.pt"]
+    assert not torch.equal(synthesize(control, 0.08)["net.0.weight"], expected["net.0.weight"])
+    assert snapshot_gaps(control) == [
+        f"{control}: the snapshot of step 4, which power-ema-000000008.pt follows, is missing"
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match=r"the snapshot of step 4, which power-ema-000000008\.pt follows, is missing"):
+        check_snapshot_history(control)
 
 
 class WithoutFinalSnapshot(PostHocEMACallback):

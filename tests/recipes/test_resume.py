@@ -4,11 +4,17 @@ and seed (CPU): weights, EMA shadows, target network, replay buffer, optimiser s
 
 The control resumes from the same checkpoint with one piece of the saved state withheld (the data order,
 the global generators, the environment's episode): the same comparison then finds the weights different,
-so each piece is needed and an equality here is not an empty one."""
+so each piece is needed and an equality here is not an empty one.
+
+The ``ema`` run is killed at its first resume point by time (``train_time_interval=0``: after its first optimizer
+step), long before its first epoch ends, where the old configuration had none; the resumed run's ``summary.json``
+names the uninterrupted run's best, with its score. With a step interval, ``last.ckpt`` holds the step fit ended on
+(the control, the old configuration, the last multiple of the interval)."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -58,6 +64,7 @@ MUST_HOLD = {
     "atari": ["state_dict/target.net.0.weight", "replay_buffer/frames", "dqn/rng", "dqn/episode_actions"],
 }
 ALWAYS = ["state_dict", "optimizer_states/0/state", "callbacks/ResumeState/rng/0/torch", "loops"]
+KILLED = {"ema": ["callbacks.last_checkpoint.train_time_interval=0"]}  # overrides of the killed run alone
 STEPS = {"ema": 4 * 90, "dqn": 7 * 16, "gan": 4 * 23 * 2, "atari": 120}  # optimizer steps at the last checkpoint
 WITHHELD = {  # the control: resuming without these leaves the run elsewhere
     # the shuffle generator, kept by the data module and by ResumeState: epochs would repeat the first orders
@@ -122,7 +129,7 @@ def test_killed_run_resumed_from_its_directory_ends_bit_for_bit_as_the_uninterru
         uninterrupted = subprocess.Popen(
             [sys.executable, str(ROOT / "train.py"), *train_command(recipe, full)], cwd=ROOT, stdout=log, stderr=log
         )
-        run_until_killed(train_command(recipe, killed), killed)
+        run_until_killed(train_command(recipe, killed, *KILLED.get(recipe, [])), killed)
         assert uninterrupted.wait(timeout=600) == 0, (tmp_path / "full.log").read_text()[-3000:]
     at_kill = load(killed / "checkpoints" / "last.ckpt")
     result = run_train(*train_command(recipe, resumed, f"ckpt_path={killed}"))
@@ -135,6 +142,13 @@ def test_killed_run_resumed_from_its_directory_ends_bit_for_bit_as_the_uninterru
     for path in ALWAYS + MUST_HOLD[recipe]:
         assert present(final, path), path
     assert differences(final, final_resumed) == []
+    if recipe == "ema":  # killed at a resume point by time, before the first epoch's 90 steps ended
+        assert at_kill["global_step"] < 90
+    summaries = [json.loads((run / "summary.json").read_text())["checkpoints"] for run in (full, resumed)]
+    assert summaries[1]["best_score"] == summaries[0]["best_score"]
+    assert (Path(summaries[1]["best"]).name if summaries[1]["best"] else None) == (
+        Path(summaries[0]["best"]).name if summaries[0]["best"] else None
+    )
 
     for owner, name in WITHHELD[recipe]:
         monkeypatch.setattr(owner, name, lambda *args: None)
@@ -145,3 +159,28 @@ def test_killed_run_resumed_from_its_directory_ends_bit_for_bit_as_the_uninterru
     control = load(resume_in_process(recipe, killed / "checkpoints" / "last.ckpt", tmp_path / "control"))
     assert control["global_step"] == STEPS[recipe]
     assert any(d.startswith("/state_dict/") for d in differences(final, control))
+
+
+OLD_LAST_CHECKPOINT = [  # conf/callbacks/default.yaml's last_checkpoint before LastCheckpoint: a ModelCheckpoint
+    "callbacks.last_checkpoint._target_=lightning.pytorch.callbacks.ModelCheckpoint",
+    "~callbacks.last_checkpoint.train_time_interval", "+callbacks.last_checkpoint.monitor=null",
+    "+callbacks.last_checkpoint.save_top_k=1", "+callbacks.last_checkpoint.save_on_train_epoch_end=true",
+    "+callbacks.last_checkpoint.enable_version_counter=false",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("control", [False, True])
+def test_with_a_step_interval_last_holds_the_step_fit_ended_on(control: bool, tmp_path: Path) -> None:
+    """Issue 39's run: ``every_n_train_steps=7`` and 20 steps. ``LastCheckpoint`` saves at the epoch's end as well;
+    the old ``ModelCheckpoint`` stops at step 14."""
+    cfg = compose_config(
+        "+recipe=metrics", ON_CPU, *QUIET, "trainer.max_epochs=1", "trainer.limit_train_batches=20",
+        "callbacks.last_checkpoint.every_n_train_steps=7", *(OLD_LAST_CHECKPOINT if control else []),
+        output_dir=tmp_path,
+    )  # fmt: skip
+    trainer, model, datamodule = build(cfg)
+    trainer.fit(model, datamodule=datamodule)
+    assert trainer.global_step == 20
+    assert torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == (
+        14 if control else 20
+    )
