@@ -16,7 +16,8 @@ A post-hoc EMA is combined from every snapshot up to its step (``copy_correct.sy
   finds a history that starts late or misses one in the middle; steps of no one schedule (saved by hand at steps 100,
   250, 400) or a single file give no verdict.
 
-Only names and metadata are read (``load_snapshot`` memory-maps the tensors, reading none). A sharded run's files are
+Only names and metadata are used: each file is opened with ``load_snapshot`` (memory-mapped), unless the caller has
+opened it already and passes its state (``states``, by path), so nothing is read twice. A sharded run's files are
 checked rank by rank.
 """
 
@@ -24,30 +25,37 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from copy_correct.posthoc_ema import load_snapshot, snapshot_paths
 
 __all__ = ["check_snapshot_history", "snapshot_gaps"]
 
 
-def snapshot_gaps(directory: str | os.PathLike[str], step: int | None = None) -> list[str]:
+def snapshot_gaps(
+    directory: str | os.PathLike[str], step: int | None = None, states: Mapping[Path, Mapping[str, Any]] | None = None
+) -> list[str]:
     """One line per gap in the history of the snapshots in ``directory`` up to ``step`` (default: the latest), in step
-    order; ``[]`` when it is whole (module docstring). A folder with no snapshot has no gap."""
+    order; ``[]`` when it is whole (module docstring). A folder with no snapshot has no gap. ``states``: snapshot
+    states already loaded, by path (the rest are loaded here)."""
     folder = Path(directory)
     groups = [snapshot_paths(folder)]
     ranks = sorted({int(p.name.split("-rank")[1].split("of")[0]) for p in folder.glob("power-ema-*-rank*of*.pt")})
     groups += [snapshot_paths(folder, rank=rank) for rank in ranks]
     gaps: list[str] = []
     for paths in groups:
-        gaps += _gaps(folder, paths, step)
+        gaps += _gaps(folder, paths, step, states or {})
     return gaps
 
 
-def check_snapshot_history(directory: str | os.PathLike[str], step: int | None = None) -> None:
+def check_snapshot_history(
+    directory: str | os.PathLike[str], step: int | None = None, states: Mapping[Path, Mapping[str, Any]] | None = None
+) -> None:
     """A ``ValueError`` naming the first gap (and how many there are) when the snapshots in ``directory`` do not hold
-    the whole history up to ``step``; nothing when they do."""
-    gaps = snapshot_gaps(directory, step)
+    the whole history up to ``step``; nothing when they do. ``states`` as for ``snapshot_gaps``."""
+    gaps = snapshot_gaps(directory, step, states)
     if gaps:
         more = f" (and {len(gaps) - 1} more)" if len(gaps) > 1 else ""
         raise ValueError(
@@ -56,10 +64,10 @@ def check_snapshot_history(directory: str | os.PathLike[str], step: int | None =
         )
 
 
-def _gaps(folder: Path, paths: list[Path], step: int | None) -> list[str]:
+def _gaps(folder: Path, paths: list[Path], step: int | None, loaded: Mapping[Path, Mapping[str, Any]]) -> list[str]:
     states = {}
     for path in paths:
-        state = load_snapshot(path)
+        state = loaded[path] if path in loaded else load_snapshot(path)
         states[int(state["step"])] = (path, state)
     steps = sorted(t for t in states if step is None or t <= step)
     at = steps[-1] if steps else 0

@@ -50,6 +50,9 @@ def test_a_missing_link_is_named_and_only_the_history_up_to_the_step_counts(tmp_
     files[4].unlink()
     assert snapshot_gaps(tmp_path) == [f"{tmp_path}: the snapshot of step 4, which {files[6].name} follows, is missing"]
     assert snapshot_gaps(tmp_path, step=3) == []  # the history up to step 3 is step 2's
+    loaded = {path: torch.load(path, weights_only=True) for path in [files[2], files[6]]}
+    loaded[files[6]]["previous"] = 2  # states the caller loaded already are used as given, not read again
+    assert snapshot_gaps(tmp_path, step=7, states=loaded) == []
     with pytest.raises(ValueError, match=r"the snapshot of step 4, which power-ema-000000006\.pt follows"):
         check_snapshot_history(tmp_path, step=7)
 
