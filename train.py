@@ -62,6 +62,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         refuse(str(err.__cause__ if isinstance(err, InstantiationException) and err.__cause__ else err))
     ignore_expected_warnings(model)
     from copy_correct import CheckpointMismatch
+    from copy_correct.disk_full import disk_full_line
 
     try:
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
@@ -69,6 +70,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         refuse(f"ckpt_path {ckpt_path!r} cannot resume this run: {err}", show=trainer.is_global_zero)
     except BadInput as err:  # found where it is read: a file a DataLoader worker cannot decode (data.verify=false)
         refuse(str(err))
+    except OSError as err:  # a full disk: a checkpoint or snapshot (DiskFull: the last good one kept), or a log file
+        line = disk_full_line(err, cfg.paths.output_dir)
+        if line is None:
+            raise
+        refuse(line, show=trainer.is_global_zero)
     if trainer.is_global_zero:
         print(f"outputs: {cfg.paths.output_dir} (metrics.csv, checkpoints/, summary.json)")
     return {k: float(v) for k, v in trainer.callback_metrics.items()}

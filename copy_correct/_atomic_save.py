@@ -6,32 +6,53 @@ target's own directory, so the rename stays within one filesystem and is atomic:
 sees the old file or the new one under the target's name, never a part of one. An exception while writing removes the
 temporary file and leaves the target as it was; a SIGKILL leaves the hidden temporary file behind, which nothing
 reads. The directory is ``fsync``-ed after the rename so that the rename survives a power loss.
+
+Digest contract: the CRC-32 of every byte ``torch.save`` writes is computed as the bytes pass to the file (large
+writes in a second thread, alongside the write) and sealed into the archive's comment before the ``fsync``
+(``copy_correct._file_digest``: ``DigestWriter``, ``seal``), so ``verify_file`` can tell a damaged file from a whole
+one; ``torch.save``'s own per-record CRC-32, computed in line, is off for the save.
+
+Disk full: a write, flush or ``fsync`` refused with ``ENOSPC`` (or ``EDQUOT``) raises ``DiskFull`` (an ``OSError``,
+``copy_correct.disk_full``): one line naming the target, the bytes it needs at least (its tensors' storages), the bytes
+written when the filesystem refused more and the bytes free, after the temporary file is removed and with the target
+as it was. ``torch.save`` alone reports it as ``RuntimeError: [enforce fail at inline_container.cc:...] . unexpected
+pos``, the ``ENOSPC`` only in the exception's context.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from copy_correct._file_digest import DigestWriter, seal, torch_crc32
+from copy_correct.disk_full import FULL, disk_full
+
 __all__ = ["atomic_save", "fsync_directory"]
 
 
 def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
-    """Write ``torch.save(obj)`` to ``path`` atomically (see the module docstring); the path written."""
+    """Write ``torch.save(obj)`` to ``path`` atomically, with its digests (see the module docstring); the path
+    written. ``DiskFull`` when the filesystem has no room for it."""
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
     temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    writer: DigestWriter | None = None
     try:
-        with open(temporary, "wb") as file:
-            torch.save(obj, file)
-            file.flush()
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(temporary, "wb") as file, DigestWriter(file) as writer, torch_crc32(False):
+            torch.save(obj, writer)
+            seal(file, writer)
             os.fsync(file.fileno())
         os.replace(temporary, target)
-    except BaseException:
+    except BaseException as error:
+        written = max(writer.written if writer else 0, _size(temporary))  # what reached the file, or its buffer
         temporary.unlink(missing_ok=True)
+        code = _full(error, writer)
+        if code is not None:
+            raise disk_full(target, code, written, _tensor_bytes(obj)) from error
         raise
     fsync_directory(target.parent)
     return target
@@ -44,3 +65,39 @@ def fsync_directory(path: Path) -> None:
         os.fsync(directory)
     finally:
         os.close(directory)
+
+
+def _full(error: BaseException, writer: DigestWriter | None) -> int | None:
+    """The errno of a full filesystem behind ``error`` (itself, its causes and contexts, or a write's), else None."""
+    seen: list[BaseException | None] = [error, writer.error if writer else None]
+    while seen:
+        current = seen.pop()
+        if isinstance(current, OSError) and current.errno in FULL:
+            return current.errno
+        if current is not None:
+            seen += [current.__cause__, current.__context__]
+    return None
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _tensor_bytes(obj: Any) -> int | None:
+    """The bytes of the distinct tensor storages in ``obj`` (nested mappings, lists, tuples): what the file needs at
+    least; None where there are none."""
+    storages: dict[tuple[str, int], int] = {}
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            storages[(str(item.device), storage.data_ptr())] = storage.nbytes()
+        elif isinstance(item, Mapping):
+            stack += item.values()
+        elif isinstance(item, (list, tuple)):
+            stack += item
+    return sum(storages.values()) or None

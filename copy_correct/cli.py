@@ -4,7 +4,9 @@
 
 ``posthoc`` writes checkpoints of post-hoc EMA weights that ``MyModule.load_from_checkpoint(path)`` reads
 (``copy_correct.posthoc_command`` says how). ``main`` returns the exit status: 0, each written path printed on its
-own line; 2, with one line on stderr, for bad arguments or nothing to synthesize from.
+own line; 2, with one line on stderr (``copy-correct posthoc: error: ...``), for bad arguments, nothing to synthesize
+from, or a file refused (damaged, cut short, not a checkpoint, or one whose pickle would run code: nothing in it
+runs); 1, with one line, for a file that cannot be read or written (a full disk: ``DiskFull``). No traceback.
 """
 
 from __future__ import annotations
@@ -65,7 +67,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for path in posthoc(args.run_dir, args.sigma_rel, args.step, args.checkpoint):
             print(path)
-    except ValueError as error:
-        print(f"copy-correct {args.command}: {error}", file=sys.stderr)
+    except ValueError as error:  # bad input: DamagedFile and UnsafeFile among them
+        print(f"copy-correct {args.command}: error: {_one_line(error)}", file=sys.stderr)
         return 2
+    except OSError as error:  # a file that cannot be read or written: DiskFull among them
+        print(f"copy-correct {args.command}: error: {_one_line(error)}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split()) or type(error).__name__

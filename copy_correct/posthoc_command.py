@@ -13,6 +13,11 @@ snapshots are of one submodule (``module``: a GAN's generator). Each is written,
 ``posthoc-ema-sigma0.080-step000004000.ckpt``, and its path printed. A ``ValueError`` (the command: exit status 2, one
 line) when there is nothing to synthesize from, naming the path searched and the file patterns.
 
+Every file read is one a user hands over, so nothing in it runs and damage is refused: the checkpoint and each
+snapshot are checked against the digests written with them and loaded with ``weights_only=True``
+(``copy_correct.checked_load``; ``read_checkpoint`` for a directory), refused in one line naming the file
+(``DamagedFile``, ``UnsafeFile``: ``ValueError``s) otherwise.
+
 A sharded run's snapshots (FSDP2: ``power-ema-STEP-rankRofW.pt``, every rank its shards) are combined rank by rank,
 each rank's files into its shards with no gather (the combination is linear), and the shards then joined into full
 tensors as their layout says (``Shard(dim=0)`` over a mesh of W ranks: concatenated in rank order); a distributed
@@ -32,6 +37,9 @@ from typing import Any
 import torch
 
 from copy_correct._atomic_save import atomic_save
+from copy_correct._file_digest import torch_crc32
+from copy_correct._shard_digest import verify_directory
+from copy_correct.checked_load import hyperparameter_classes, load_checked
 from copy_correct.posthoc_ema import load_snapshot, snapshot_folder, snapshot_paths, synthesize
 
 __all__ = ["join_shards", "posthoc", "rank_paths", "read_checkpoint"]
@@ -84,29 +92,38 @@ def join_shards(shards: list[dict[str, torch.Tensor]], layouts: Mapping[str, str
 def read_checkpoint(path: Path) -> dict[str, Any]:
     """A Lightning checkpoint as one dict: a file as it is; a distributed checkpoint (a directory) converted in this
     one process (its shards joined), its ``meta.pt`` merged in. Entries a callback stored in the weights under its
-    own key (``KEY/...``: an average's shards in a distributed checkpoint) are left out of the ``state_dict``."""
-    # The run's own checkpoint: Lightning pickles hyperparameters of any type into it, so not weights_only.
+    own key (``KEY/...``: an average's shards in a distributed checkpoint) are left out of the ``state_dict``.
+
+    Nothing in it runs: a file is checked against its digests and loaded with ``weights_only=True``, the
+    hyperparameters' classes allowed by name (``copy_correct.checked_load.hyperparameter_classes``); a directory is
+    checked against its ``digests.json`` and its ``.metadata`` parsed safely before ``torch.distributed.checkpoint``
+    reads it (``copy_correct._shard_digest``). ``DamagedFile``/``UnsafeFile`` (``ValueError``s) naming the file
+    otherwise."""
     if path.is_dir():
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-        with tempfile.TemporaryDirectory() as scratch:
+        verify_directory(path)
+        with tempfile.TemporaryDirectory() as scratch, torch_crc32(True):  # the joined file, with its digests
             dcp_to_torch_save(path, Path(scratch) / "full.pt")
-            checkpoint = torch.load(Path(scratch) / "full.pt", map_location="cpu", weights_only=False)
-        checkpoint |= torch.load(path / "meta.pt", map_location="cpu", weights_only=False)
+            checkpoint = load_checked(Path(scratch) / "full.pt", allow=hyperparameter_classes())
+        checkpoint |= load_checked(path / "meta.pt", allow=hyperparameter_classes())
     else:
-        checkpoint = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        checkpoint = load_checked(path, mmap=True, allow=hyperparameter_classes())
+    if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+        raise ValueError(f"{path} is not a Lightning checkpoint: it has no state_dict")
     owners = tuple(f"{key}/" for key in checkpoint.get("callbacks", {}))
     checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith(owners)}
     return checkpoint
 
 
-def weights_at(directory: Path, sigma_rel: float, step: int) -> dict[str, torch.Tensor]:
-    """The post-hoc EMA of ``sigma_rel`` at ``step`` from the snapshots in ``directory``, as full tensors."""
-    ranks = rank_paths(directory)
-    if ranks is None:
-        return synthesize(snapshot_paths(directory), sigma_rel, step)
-    layouts = load_snapshot(ranks[0][0])["layout"]
-    return join_shards([synthesize(paths, sigma_rel, step) for paths in ranks], layouts)
+def weights_at(
+    ranks: list[list[Mapping[str, Any]]], sigma_rel: float, step: int, sharded: bool
+) -> dict[str, torch.Tensor]:
+    """The post-hoc EMA of ``sigma_rel`` at ``step`` from each rank's loaded snapshots (one list of an unsharded
+    model's), as full tensors."""
+    if not sharded:
+        return synthesize(ranks[0], sigma_rel, step)
+    return join_shards([synthesize(states, sigma_rel, step) for states in ranks], ranks[0][0]["layout"])
 
 
 def base_checkpoint(directory: Path) -> Path:
@@ -147,8 +164,10 @@ def posthoc(
     """Write one checkpoint per ``sigma_rels`` entry (module docstring); their paths, in that order."""
     snapshots = snapshot_folder(run_dir)
     ranks = rank_paths(snapshots)
-    paths = snapshot_paths(snapshots) if ranks is None else ranks[0]
-    states = [load_snapshot(p) for p in paths]  # memory-mapped: only the metadata is read here
+    # Each file read once: checked against its digests and memory-mapped (only the metadata is read here).
+    files = ranks if ranks is not None else [snapshot_paths(snapshots)]
+    loaded = [[load_snapshot(p) for p in paths] for paths in files]
+    states = loaded[0]
     step = step if step is not None else max(int(s["step"]) for s in states)
     modules = {s.get("module") for s in states}
     if len(modules) > 1:
@@ -158,7 +177,7 @@ def posthoc(
     base = read_checkpoint(source)
     written = []
     for sigma_rel in sigma_rels:
-        weights = weights_at(snapshots, sigma_rel, step)
+        weights = weights_at(loaded, sigma_rel, step, sharded=ranks is not None)
         path = source.parent / f"posthoc-ema-sigma{sigma_rel:.3f}-step{step:09d}.ckpt"
         meta = {"sigma_rel": sigma_rel, "step": step, "snapshots": str(snapshots), "module": module}
         write(base, weights, path, meta, module)

@@ -2,7 +2,8 @@
 
 Copy contract:
 
-* Snapshot files are opened with ``torch.load(..., mmap=True, weights_only=True)``: their tensors are read-only
+* Snapshot files are checked against the CRC-32 digest written with them (one read of each file, holding no copy),
+  then opened with ``torch.load(..., mmap=True, weights_only=True)`` (``load_checked``): their tensors are read-only
   memory maps of the files, paged in while a tensor is combined and evictable after, so a reconstruction from any
   number of snapshots holds about one model in memory (the result), plus one float64 accumulator the size of the
   largest tensor at a time. Snapshot states given as mappings are only read.
@@ -37,6 +38,7 @@ from typing import Any
 
 import torch
 
+from copy_correct.checked_load import load_checked
 from copy_correct.power_ema import SNAPSHOT_FORMAT
 from copy_correct.power_function import sigma_rel_to_gamma, solve_coefficients
 
@@ -81,8 +83,10 @@ def snapshot_folder(path: str | os.PathLike[str]) -> Path:
 
 
 def load_snapshot(path: str | os.PathLike[str]) -> Mapping[str, Any]:
-    """A snapshot file, memory-mapped (its tensors are read from the file when used), checked to be one."""
-    return _checked(torch.load(path, map_location="cpu", mmap=True, weights_only=True), str(path))
+    """A snapshot file, memory-mapped (its tensors are read from the file when used), checked to be one: against the
+    digests written with it first, then loaded with ``weights_only=True`` (``copy_correct.checked_load``:
+    ``DamagedFile``/``UnsafeFile``, ``ValueError``s naming the file)."""
+    return _checked(load_checked(path, mmap=True), str(path))
 
 
 def synthesis_coefficients(

@@ -18,9 +18,13 @@ Copy contract:
   the target as it was and the hidden temporary file behind, which nothing reads. The writer's PID in the
   name keeps two processes that write one path by mistake from writing into one temporary file: each
   renames a whole checkpoint, and the last rename wins.
+* The file is written with ``torch.save``'s CRC-32 of every record on (``atomic_save``), and a full filesystem is one
+  ``DiskFull`` line (``copy_correct.disk_full``) with the temporary file removed and the previous checkpoint as it was.
 * Paths that are not local files (``s3://...``) go through Lightning's own implementation.
 
-Loading is Lightning's (``load_checkpoint``, with ``weights_only`` as the trainer passes it).
+Loading (``load_checkpoint``, what ``trainer.fit(ckpt_path=...)`` reads through) first checks a local file against its
+digests (``copy_correct._file_digest.verify_file``: ``DamagedFile``, one line naming the file, for a damaged, cut
+short or foreign file), then is Lightning's, with ``weights_only`` as the trainer passes it (``train.py``: ``True``).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 
 from copy_correct._atomic_save import atomic_save
+from copy_correct._file_digest import verify_file
 
 __all__ = ["AtomicCheckpointIO"]
 
@@ -46,3 +51,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             super().save_checkpoint(checkpoint, path, storage_options)
             return
         atomic_save(checkpoint, path)
+
+    def load_checkpoint(self, path: str | Path, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Lightning's load (``map_location``, ``weights_only`` as given) of a file whose digests are checked first."""
+        if isinstance(get_filesystem(path), LocalFileSystem) and Path(path).is_file():
+            verify_file(path)
+        return super().load_checkpoint(path, *args, **kwargs)

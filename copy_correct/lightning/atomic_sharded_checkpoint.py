@@ -8,6 +8,10 @@ Copy contract:
   rank writes into one directory), by Lightning's own save: ``torch.distributed.checkpoint`` streams each shard from
   its storage to a file and ``fsync``-s it, then writes ``.metadata``; rank 0 writes ``meta.pt`` last. Nothing is
   held in memory beyond what that save holds. Rank 0 then ``fsync``-s ``meta.pt`` and the directory.
+* Digests: rank 0 then writes ``digests.json``, the size and CRC-32 of every file of the directory
+  (``copy_correct._shard_digest``: ``torch.distributed.checkpoint``'s shards carry none of their own), which
+  resume (``check_checkpoint``) and ``copy-correct posthoc`` verify, with ``.metadata`` parsed by an unpickler that
+  builds only checkpoint metadata; one more read of the checkpoint's bytes on rank 0, from the page cache.
 * Rank 0 puts it in place: ``renameat2(RENAME_EXCHANGE)`` swaps it with the previous checkpoint (a directory, a file
   or a link), one rename, atomic within a filesystem, which the hidden directory shares with its target by
   construction. The previous checkpoint, now under the hidden name, is then removed, and the parent directory
@@ -53,6 +57,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 
 from copy_correct._atomic_save import fsync_directory
+from copy_correct._shard_digest import write_digests
 from copy_correct.lightning._lightning_internals import DISTRIBUTED_CHECKPOINT, check, saves_distributed_checkpoint
 from copy_correct.lightning.resume import DISTRIBUTED_METADATA
 
@@ -147,8 +152,10 @@ def _remove(path: Path) -> None:
 
 def _sync(path: Path) -> None:
     """``fsync`` what the save left unsynced: ``meta.pt`` (``torch.distributed.checkpoint`` syncs its own files) and
-    the directory; a file (a one-file checkpoint) is synced by ``AtomicCheckpointIO``."""
+    the directory, after writing the directory's ``digests.json`` (``write_digests``); a file (a one-file checkpoint)
+    is synced, with its digests, by ``AtomicCheckpointIO``."""
     if path.is_dir():
         with open(path / DISTRIBUTED_METADATA, "rb+") as file:
             os.fsync(file.fileno())
+        write_digests(path)
         fsync_directory(path)

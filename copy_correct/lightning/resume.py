@@ -21,10 +21,12 @@ does; a user's own Trainer takes ``ResumeState()``).
   rank then takes its own entry, and the data order is restored (see ``resume_data_order``: mid-epoch, the rest of
   the interrupted epoch is replayed). A rank the checkpoint has no entry for (resumed on more processes than it was
   written by) keeps its fresh states, with a warning that the resume is not bit-exact.
-* ``check_checkpoint(path, recipe, seed)`` reads the same stamp from a file (loaded memory-mapped,
-  ``weights_only=True``), or from a distributed checkpoint's ``meta.pt`` (the directory Lightning's
-  ``ModelParallelStrategy`` writes: the shards through ``torch.distributed.checkpoint``, everything else in
-  ``meta.pt``), so a wrong ``ckpt_path`` is refused before anything is built.
+* ``check_checkpoint(path, recipe, seed)`` reads the same stamp from a file (checked against the CRC-32 digests
+  written with it, then loaded memory-mapped, ``weights_only=True``: ``copy_correct.checked_load``), or from a
+  distributed checkpoint's ``meta.pt`` (the directory Lightning's ``ModelParallelStrategy`` writes: the shards
+  through ``torch.distributed.checkpoint``, everything else in ``meta.pt``; every file checked against the
+  ``digests.json`` ``AtomicModelParallelStrategy`` writes, ``.metadata`` parsed safely: ``copy_correct._shard_digest``),
+  so a wrong, damaged or crafted ``ckpt_path`` is refused in one line naming the file before anything is built.
 
 The rest of a run's state belongs to whoever owns it: a module its environment, replay buffer and generators of its
 own, a data module whatever it keeps besides its loaders' generators. Resumption is then exact from checkpoints taken
@@ -34,16 +36,16 @@ workers, loaders that cannot be instrumented) is listed in ``resume_data_order``
 
 from __future__ import annotations
 
-import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 
+from copy_correct._shard_digest import verify_directory
+from copy_correct.checked_load import load_checked
 from copy_correct.lightning.resume_data_order import TrainDataOrder
 from copy_correct.lightning.rng_state import get_rng_state, set_rng_state
 
@@ -70,21 +72,17 @@ def _check_owner(state: Mapping[str, Any], recipe: str, seed: int | None) -> Non
 
 def check_checkpoint(path: str | Path, recipe: str, seed: int | None) -> None:
     """Raise ``ValueError`` unless ``path`` is a checkpoint that ``ResumeState`` stamped with this recipe and seed: a
-    file, or a distributed checkpoint directory (``meta.pt`` and ``torch.distributed.checkpoint``'s ``.metadata``)."""
+    file, or a distributed checkpoint directory (``meta.pt`` and ``torch.distributed.checkpoint``'s ``.metadata``),
+    whole (its digests match) and safe to load (``weights_only=True``; ``.metadata``'s pickle names only metadata)."""
     path = Path(path)
     if path.is_dir():
         if not ((path / DISTRIBUTED_METADATA).is_file() and (path / ".metadata").is_file()):
             raise ValueError(
                 f"it is a directory without {DISTRIBUTED_METADATA} and .metadata, not a distributed checkpoint"
             )
+        verify_directory(path)
         path = path / DISTRIBUTED_METADATA
-    if not zipfile.is_zipfile(path):
-        raise ValueError("it is not a checkpoint: not the zip archive torch.save writes (truncated, or another format)")
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as err:  # a pickled object weights_only refuses, a damaged archive: the same to the user
-        first_line = (str(err).strip() or type(err).__name__).splitlines()[0]
-        raise ValueError(f"it does not load with torch.load(weights_only=True): {first_line}") from err
+    checkpoint = load_checked(path, mmap=True)  # DamagedFile, UnsafeFile: ValueErrors naming the file
     state = checkpoint.get("callbacks", {}).get(ResumeState.__qualname__) if isinstance(checkpoint, dict) else None
     if state is None:
         raise ValueError("it has no ResumeState stamp (not written by train.py), so its recipe cannot be checked")

@@ -24,7 +24,7 @@ from tests.distributed.test_ddp import RANK_LOCAL, SHORT, assert_same_tensors
 from tests.recipes.test_resume import differences
 
 FSDP = ["trainer=fsdp", "trainer.accelerator=cpu"]  # 2 gloo processes: CPU-only by nature, like trainer=ddp's tests
-DCP_FILES = [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+DCP_FILES = [".metadata", "__0_0.distcp", "__1_0.distcp", "digests.json", "meta.pt"]
 KEY = "EMACallback{'decay': 0.995}"
 FIRST = "net.body.1.weight"  # the first Linear of the ema recipe's MLP (body.0 is its Flatten)
 
@@ -179,7 +179,7 @@ def test_one_file_checkpoints_go_through_atomic_checkpoint_io_and_directories_ar
         else:  # torch.distributed.checkpoint's files and torch.save's meta.pt, not the plugin
             assert written == [tmp_path / "file.ckpt"]
             assert swapped == [(f".directory.ckpt.tmp-{os.getpid()}", "directory.ckpt")]
-            assert sorted(p.name for p in path.iterdir()) == [".metadata", "__0_0.distcp", "meta.pt"]
+            assert sorted(p.name for p in path.iterdir()) == [".metadata", "__0_0.distcp", "digests.json", "meta.pt"]
 
 
 def read(path: Path, scratch: Path) -> dict:

@@ -220,4 +220,35 @@ def test_a_leftover_of_a_killed_writer_with_this_pid_is_not_mixed_in(tmp_path: P
     leftover = tmp_path / f".last.ckpt.tmp-{os.getpid()}"
     make(leftover, "directory", "stale")
     strategy(True).save_checkpoint(state(1.0), tmp_path / "last.ckpt")
-    assert sorted(p.name for p in (tmp_path / "last.ckpt").iterdir()) == [".metadata", "__0_0.distcp", "meta.pt"]
+    written = sorted(p.name for p in (tmp_path / "last.ckpt").iterdir())
+    assert written == [".metadata", "__0_0.distcp", "digests.json", "meta.pt"]
+
+
+def test_a_directory_is_written_with_the_digests_of_its_files_which_loads_check(tmp_path: Path) -> None:
+    """``digests.json`` lists every file the save wrote, and ``read_checkpoint`` (the post-hoc command's read) takes
+    the directory; a changed shard is refused. Control: Lightning's own strategy writes no digests, and its directory
+    is refused as one that cannot be verified."""
+    import json
+
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from copy_correct._shard_digest import verify_directory
+    from copy_correct.posthoc_command import read_checkpoint
+
+    path = tmp_path / "last.ckpt"
+    strategy(True).save_checkpoint(state(1.0), path)
+    listed = json.loads((path / "digests.json").read_text())["files"]
+    assert sorted(listed) == [".metadata", "__0_0.distcp", "meta.pt"]
+    assert all(listed[name]["bytes"] == (path / name).stat().st_size for name in listed)
+    verify_directory(path)
+    assert read_checkpoint(path)["state_dict"]["w"].tolist() == [1.0] * 4
+    shard = path / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-8] + bytes(8))
+    with pytest.raises(ValueError, match=rf"{shard} is damaged: "):
+        read_checkpoint(path)
+
+    theirs = ModelParallelStrategy(save_distributed_checkpoint=True)
+    theirs.save_checkpoint(state(1.0), tmp_path / "theirs.ckpt")
+    assert not (tmp_path / "theirs.ckpt" / "digests.json").exists()
+    with pytest.raises(ValueError, match=r"has no digests\.json .*its shards cannot be verified"):
+        read_checkpoint(tmp_path / "theirs.ckpt")

@@ -150,13 +150,21 @@ def test_without_a_recipe_any_runs_checkpoint_resumes_and_a_recipe_refuses_one_o
 
 def test_a_distributed_checkpoint_is_checked_by_its_meta_pt(tmp_path: Path) -> None:
     """Lightning's ModelParallelStrategy writes a directory: the shards (torch.distributed.checkpoint's files and
-    ``.metadata``) and everything else, our stamp included, in ``meta.pt``."""
+    ``.metadata``) and everything else, our stamp included, in ``meta.pt``; ``AtomicModelParallelStrategy`` adds
+    ``digests.json``, without which the shards cannot be verified."""
+    import torch.distributed.checkpoint as dcp
+
+    from copy_correct._shard_digest import write_digests
+
     directory = tmp_path / "last.ckpt"
     directory.mkdir()
     torch.save({"callbacks": {"ResumeState": ResumeState("alpha", 0).state_dict()}}, directory / "meta.pt")
     with pytest.raises(ValueError, match=r"a directory without meta\.pt and \.metadata, not a distributed checkpoint"):
         check_checkpoint(directory, "alpha", 0)  # no .metadata: not written by torch.distributed.checkpoint
-    (directory / ".metadata").write_bytes(b"")
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=directory, no_dist=True)
+    with pytest.raises(ValueError, match=r"has no digests\.json .*its shards cannot be verified"):
+        check_checkpoint(directory, "alpha", 0)  # Lightning's own strategy's directory: nothing to verify against
+    write_digests(directory)
     check_checkpoint(directory, "alpha", 0)
     with pytest.raises(ValueError, match="seed=0, not seed=3"):
         check_checkpoint(directory, "alpha", 3)
@@ -173,10 +181,10 @@ def test_files_that_are_not_our_checkpoints_are_refused(tmp_path: Path) -> None:
     truncated = (tmp_path / "plain.ckpt").read_bytes()
     (tmp_path / "truncated.ckpt").write_bytes(truncated[: len(truncated) // 2])
     for name, message in [
-        ("text", "is not a checkpoint"),
-        ("truncated", "is not a checkpoint"),
+        ("text", "is not the zip archive torch.save writes"),
+        ("truncated", "is not the zip archive torch.save writes"),
         ("plain", "no ResumeState stamp"),
-        ("pickled", r"does not load with torch.load\(weights_only=True\)"),
+        ("pickled", r"names pathlib\.PosixPath in its pickle, which a weights_only load refuses"),
     ]:
         with pytest.raises(ValueError, match=message):
             check_checkpoint(tmp_path / f"{name}.ckpt", "alpha", 0)

@@ -140,7 +140,7 @@ def test_nothing_to_synthesize_from_names_the_path_searched_and_the_file_pattern
     for given, says in (("empty_run", "or below it"), ("missing", "it does not exist")):
         result = run(COMMAND, "posthoc", given, "--sigma-rel", "0.08", cwd=tmp_path)
         assert result.returncode == 2 and result.stdout == "" and result.stderr.count("\n") == 1, result.stderr
-        assert result.stderr.startswith("copy-correct posthoc: no PowerEMA snapshots") and says in result.stderr
+        assert result.stderr.startswith("copy-correct posthoc: error: no PowerEMA snapshots") and says in result.stderr
         assert given in result.stderr and all(pattern in result.stderr for pattern in SNAPSHOT_PATTERNS)
 
 

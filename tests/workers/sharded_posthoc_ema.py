@@ -1,6 +1,7 @@
 """Run by tests/distributed/test_sharded_posthoc_callback.py: 2 gloo processes train an FSDP2-sharded Regressor with
-``PostHocEMACallback(module="net")`` under Lightning's ``ModelParallelStrategy``, several times in the same
-processes, and save what the tests compare.
+``PostHocEMACallback(module="net")`` under Lightning's ``ModelParallelStrategy`` (as ``AtomicModelParallelStrategy``,
+whose checkpoint directories carry the ``digests.json`` that ``copy-correct posthoc`` checks), several times in the
+same processes, and save what the tests compare.
 
 Runs (4 optimizer steps an epoch, a snapshot every 2 steps, a ``ModelCheckpoint`` at every epoch's end):
 
@@ -29,12 +30,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.strategies import ModelParallelStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from copy_correct._sharding import local
-from copy_correct.lightning import PostHocEMACallback
+from copy_correct.lightning import AtomicModelParallelStrategy, PostHocEMACallback
 from copy_correct.posthoc_ema import load_snapshot
 from tests.lightning.test_ema_callback import loader
 from tests.workers import end_rank, join_as_lightning_rank
@@ -83,7 +83,7 @@ def fit(
 ):
     pl.seed_everything(0)
     own, posthoc, truth = OwnStatistics(), callback(**{**KWARGS, "snapshot_every": snapshot_every}), Truth()
-    strategy = ModelParallelStrategy(
+    strategy = AtomicModelParallelStrategy(
         data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=distributed
     )
     trainer = pl.Trainer(

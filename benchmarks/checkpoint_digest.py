@@ -1,0 +1,101 @@
+"""What the checkpoint digests cost, measured in one process, interleaved, medians of ``--repeat`` rounds:
+
+* writing them: ``atomic_save`` (``torch.save`` into a file beside the target, the CRC-32 of its bytes computed as
+  they pass, large writes in a second thread, sealed into the archive's comment, ``fsync``, rename) against the same
+  save with no digest at all (``torch.save``'s per-record CRC-32 off, no seal), and against the same save with
+  ``torch.save``'s own per-record CRC-32 (computed in line) instead of the seal;
+* checking them: ``verify_file`` against the load it guards, ``torch.load(weights_only=True)`` (a resume's read) and
+  ``torch.load(weights_only=True, mmap=True)`` (the post-hoc command's).
+
+    python -m benchmarks.checkpoint_digest outputs/ema/RUN/checkpoints/last.ckpt ... [--synthetic-mb 256]
+
+Each FILE is loaded (``weights_only=True``) and re-saved into a temporary folder beside it (the same filesystem).
+``--synthetic-mb`` adds a state dict of float32 tensors of that size. Prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from copy_correct import _atomic_save, _file_digest
+from copy_correct._atomic_save import atomic_save
+from copy_correct._file_digest import verify_file
+
+
+def plain_save(obj: Any, path: Path, torch_crc32: bool) -> None:
+    """``atomic_save``'s steps without its digest: ``torch.save`` into a temporary file, ``fsync``, rename."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    with open(temporary, "wb") as file, _file_digest.torch_crc32(torch_crc32):
+        torch.save(obj, file)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
+    _atomic_save.fsync_directory(path.parent)
+
+
+def _seconds(action: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    action()
+    return time.perf_counter() - start
+
+
+def measure(name: str, state: Any, folder: Path, repeat: int) -> str:
+    """One table row: sizes, save times with and without the digests, check and load times."""
+    target = folder / f"{name}.ckpt"
+    times: dict[str, list[float]] = {k: [] for k in ("none", "torch", "ours", "verify", "load", "mmap")}
+    saves: list[tuple[str, Callable[[], Any]]] = [
+        ("none", lambda: plain_save(state, folder / "none.ckpt", torch_crc32=False)),
+        ("torch", lambda: plain_save(state, folder / "torch.ckpt", torch_crc32=True)),
+        ("ours", lambda: atomic_save(state, target)),
+    ]
+    for round_ in range(repeat):
+        for key, save in saves[round_ % 3 :] + saves[: round_ % 3]:  # each first in turn
+            times[key].append(_seconds(save))
+        times["verify"].append(_seconds(lambda: verify_file(target)))
+        times["load"].append(_seconds(lambda: torch.load(target, map_location="cpu", weights_only=True)))
+        times["mmap"].append(_seconds(lambda: torch.load(target, map_location="cpu", weights_only=True, mmap=True)))
+    m = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    size = target.stat().st_size / 1e6
+    return (
+        f"| {name} | {size:.2f} | {m['none']:.2f} | {m['ours']:.2f} | {(m['ours'] / m['none'] - 1) * 100:+.1f}% "
+        f"| {(m['torch'] / m['none'] - 1) * 100:+.1f}% | {m['verify']:.2f} | {m['load']:.2f} "
+        f"| {m['verify'] / m['load'] * 100:.0f}% | {m['mmap']:.2f} |"
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("files", nargs="*", type=Path, help="checkpoint or snapshot files to re-save and load")
+    parser.add_argument("--repeat", type=int, default=21, help="rounds; the medians are reported")
+    parser.add_argument("--synthetic-mb", type=float, default=0, help="also a float32 state dict of this size")
+    args = parser.parse_args(argv)
+    rows = [
+        "| file | MB | save, no digest (ms) | atomic_save (ms) | its digest's cost | torch's per-record CRC's cost "
+        "| verify (ms) | load (ms) | verify / load | mmap load (ms) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    cases: list[tuple[str, Any, Path]] = [
+        (f"{p.parent.parent.name}/{p.name}", torch.load(p, map_location="cpu", weights_only=True), p.parent)
+        for p in args.files
+    ]
+    if args.synthetic_mb:
+        tensors = int(args.synthetic_mb * 1e6 / 4 / 2**20) or 1
+        state = {"state_dict": {f"w{i}": torch.randn(2**20) for i in range(tensors)}}
+        cases.append((f"synthetic {args.synthetic_mb:g} MB", state, Path(tempfile.gettempdir())))
+    for name, state, near in cases:
+        with tempfile.TemporaryDirectory(dir=near) as folder:
+            rows.append(measure(name.replace("/", "-"), state, Path(folder), args.repeat))
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
