@@ -11,7 +11,8 @@ to it (``copy_correct.synthesize``); the rest of the checkpoint (hyperparameters
 ``--checkpoint`` (default: the newest ``*.ckpt`` beside the snapshots); so do a module's other weights where the
 snapshots are of one submodule (``module``: a GAN's generator). Each is written, atomically, beside it as
 ``posthoc-ema-sigma0.080-step000004000.ckpt``, and its path printed. A ``ValueError`` (the command: exit status 2, one
-line) when there is nothing to synthesize from, naming the path searched and the file patterns.
+line) when there is nothing to synthesize from, naming the path searched and the file patterns, or when a snapshot
+of the history up to the step is missing, naming it (``copy_correct.snapshot_history``).
 
 Every file read is one a user hands over, so nothing in it runs and damage is refused: the checkpoint and each
 snapshot are checked against the digests written with them and loaded with ``weights_only=True``
@@ -27,6 +28,7 @@ output is one file of full weights either way.
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import tempfile
@@ -41,6 +43,7 @@ from copy_correct._file_digest import torch_crc32
 from copy_correct._shard_digest import verify_directory
 from copy_correct.checked_load import hyperparameter_classes, load_checked
 from copy_correct.posthoc_ema import load_snapshot, snapshot_folder, snapshot_paths, synthesize
+from copy_correct.snapshot_history import check_snapshot_history
 
 __all__ = ["join_shards", "posthoc", "rank_paths", "read_checkpoint"]
 
@@ -169,6 +172,9 @@ def posthoc(
     loaded = [[load_snapshot(p) for p in paths] for paths in files]
     states = loaded[0]
     step = step if step is not None else max(int(s["step"]) for s in states)
+    # A history with a snapshot missing (a resumed run's directory without the earlier ones) would still solve.
+    opened = dict(zip(itertools.chain(*files), itertools.chain(*loaded), strict=True))
+    check_snapshot_history(snapshots, step, states=opened)
     modules = {s.get("module") for s in states}
     if len(modules) > 1:
         raise ValueError(f"{snapshots} holds snapshots of different modules ({sorted(map(str, modules))})")

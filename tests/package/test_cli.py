@@ -5,7 +5,8 @@ for fewer steps than its ``snapshot_every``; the fit's final snapshot is what ``
 from, and ``Module.load_from_checkpoint`` reads the checkpoint it writes as the synthesized weights (so do the four
 lines of Python the callback's docstring gives). ``python -m copy_correct`` is the same command;
 ``python -m copy_correct.posthoc_ema``, a library module, says which command to run and fails; a folder with no
-snapshots and bad arguments stop with status 2 and one line naming the path searched and the file patterns."""
+snapshots and bad arguments stop with status 2 and one line naming the path searched and the file patterns, and a
+history with a snapshot missing stops the same way, naming it."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from copy_correct import synthesize
 from copy_correct.cli import main
 from copy_correct.posthoc_ema import SNAPSHOT_PATTERNS, load_snapshot, snapshot_paths
 from tests.conftest import env_without_checkout
+from tests.parts.test_snapshot_history import write_history
 
 COMMAND = Path(sys.executable).parent / "copy-correct"
 STEPS = 20  # 4 epochs of 5 batches: fewer than the callback's default snapshot_every (1000)
@@ -169,3 +171,17 @@ def test_bad_arguments_stop_with_status_2_and_one_line(
         main(list(arguments))
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and err.count("\n") == 1 and says in err, err
+
+
+def test_a_history_with_a_snapshot_missing_is_refused_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A resumed run's folder without an earlier snapshot: the command stops with one line naming the missing step,
+    where ``synthesize`` alone still solves it into another average (the control, in
+    ``tests/parts/test_snapshot_history.py``)."""
+    files = write_history(tmp_path / "run" / "checkpoints" / "power_ema", [2, 4, 6, 8], links=True, final=9)
+    files[4].unlink()
+    assert main(["posthoc", str(tmp_path / "run"), "--sigma-rel", "0.08"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the snapshot of step 4, which power-ema-000000006.pt follows, is missing" in err
+    assert not list((tmp_path / "run" / "checkpoints").glob("posthoc-ema-*.ckpt"))  # nothing written
