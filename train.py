@@ -14,13 +14,19 @@ uninterrupted run would have reached, bit for bit on CPU (``tests/recipes/test_r
 
 Bad input stops before training, writing no checkpoint and nothing into an earlier run, with exit status 2
 and one line that names the key and what is allowed: no or an unknown recipe, a key the config does not
-have or an unknown group option (both checked before Hydra makes a run directory), an out-of-range value
-(checked where it is used, named by its config key), a required value left ``???`` (``data.root`` of
+have or an unknown group option (both checked before Hydra makes a run directory), a number or flag of the wrong type,
+NaN, infinite or out of range (every one in ``conf/``, checked before anything is built: ``recipes/config_values.py``;
+the parts refine the ranges where they use them, named by the config key), a size that cannot be allocated (the
+bytes and the key: ``recipes/allocation.py``), a required value left ``???`` (``data.root`` of
 ``data=images``), a ``ckpt_path`` that is missing, not a checkpoint, or
 another recipe's or seed's. Bad input found once training runs (an image file that a DataLoader worker cannot
 decode, with ``data.verify=false``) stops the same way. A refused run leaves no run directory: the one Hydra made for
 it, holding only ``.hydra/`` and the log file, is removed, with the folders above it that are then empty, up to the
 working directory (an earlier run's directory is left as it is).
+
+A run whose training loss or weights turn NaN or Inf (a finite ``model.lr=1e30``) stops with status 3 and one line
+naming the step (``NonFiniteStop``, ``callbacks.nonfinite_stop``), before any checkpoint holds them: its
+``checkpoints/`` keep the last good state.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from typing import Any, NoReturn
 import hydra
 from omegaconf import DictConfig
 
+from recipes.allocation import run_too_big
 from recipes.build import build, ignore_expected_warnings
 from recipes.launch import (
     BadInput,
@@ -63,6 +70,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     ignore_expected_warnings(model)
     from copy_correct import CheckpointMismatch
     from copy_correct.disk_full import disk_full_line
+    from copy_correct.lightning import NonFiniteTraining
 
     try:
         trainer.fit(model, datamodule=datamodule, ckpt_path=ckpt_path, weights_only=True)
@@ -72,6 +80,15 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         refuse(str(err))
     except OSError as err:  # a full disk: a checkpoint or snapshot (DiskFull: the last good one kept), or a log file
         line = disk_full_line(err, cfg.paths.output_dir)
+        if line is None:
+            raise
+        refuse(line, show=trainer.is_global_zero)
+    except NonFiniteTraining as err:  # NonFiniteStop: a NaN or Inf loss or weight, stopped before a checkpoint held it
+        if trainer.is_global_zero:
+            print(f"error: {err}", file=sys.stderr)
+        sys.exit(3)
+    except (MemoryError, RuntimeError) as err:  # a size that cannot be allocated, found by fit's setup: data.store_size
+        line = run_too_big(err)
         if line is None:
             raise
         refuse(line, show=trainer.is_global_zero)

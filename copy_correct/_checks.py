@@ -80,12 +80,13 @@ def integral(name: str, value: Any, allowed: str) -> int:
     return int(value)
 
 
-def integer(name: str, value: Any, minimum: int) -> int:
-    """``value`` as an int if it is an integer (Python's or numpy's, not a bool) of at least ``minimum``; else a
-    ``TypeError`` or ``ValueError``."""
-    value = integral(name, value, f"an integer >= {minimum}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+def integer(name: str, value: Any, minimum: int, maximum: int | None = None) -> int:
+    """``value`` as an int if it is an integer (Python's or numpy's, not a bool) of at least ``minimum`` and, where
+    given, at most ``maximum``; else a ``TypeError`` or ``ValueError``."""
+    allowed = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+    value = integral(name, value, f"an integer {allowed}")
+    if value < minimum or (maximum is not None and value > maximum):
+        raise ValueError(f"{name} must be {allowed}, got {value}")
     return int(value)
 
 

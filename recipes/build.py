@@ -2,7 +2,9 @@
 needs to know of the data), the callbacks, the loggers and the trainer, each instantiated from its config node.
 
 A ``ValueError`` an object raises about one of its arguments comes out naming the config key (``decay must be ...``
-from ``callbacks.ema`` becomes ``callbacks.ema.decay must be ...``), for ``train.py`` to print as one line.
+from ``callbacks.ema`` becomes ``callbacks.ema.decay must be ...``), for ``train.py`` to print as one line; so does an
+allocation that fails while a node is instantiated, naming the node, the bytes and the keys given for it
+(``recipes.allocation``). Every number and flag is checked before anything is built (``recipes.config_values``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,9 @@ from collections.abc import Sized
 from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
+
+from recipes.allocation import overrides_below, too_big
+from recipes.config_values import check_values
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -34,6 +39,11 @@ def _instantiate(cfg: DictConfig, key: str, **kwargs: Any) -> Any:
         return instantiate(node, **kwargs)
     except InstantiationException as err:
         cause = err.__cause__
+        given = overrides_below(key)
+        what = f"{key} (with {', '.join(given)})" if given else key
+        line = too_big(cause, what, " or ".join(o.split("=")[0] for o in given) or f"the sizes of {key}")
+        if line is not None:
+            raise ValueError(line) from cause
         if not isinstance(cause, ValueError):
             raise
         message = str(cause)
@@ -69,10 +79,12 @@ def data_facts(model_cfg: DictConfig, datamodule: object) -> dict[str, Any]:
 
 
 def build(cfg: DictConfig) -> tuple[pl.Trainer, pl.LightningModule, pl.LightningDataModule | None]:
-    """Seed, then instantiate the datamodule, model, callbacks, loggers and trainer named in ``cfg``."""
+    """Check every number and flag of ``cfg`` (``recipes.config_values``), seed, then instantiate the datamodule,
+    model, callbacks, loggers and trainer named in ``cfg``."""
     import lightning.pytorch as pl
     import torch
 
+    check_values(cfg)  # every number and flag, named by its key: before any of them is used
     pl.seed_everything(cfg.seed, workers=True, verbose=False)  # the seed is in .hydra/config.yaml and summary.json
     precision = cfg.get("float32_matmul_precision", "highest")
     if precision not in MATMUL_PRECISIONS:

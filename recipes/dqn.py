@@ -52,6 +52,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from copy_correct import CheckpointMismatch, FrameReplayBuffer, ReplayBuffer, hard_update, make_target, soft_update
+from recipes.allocation import allocated
 from recipes.atari import NatureQNetwork, game_goes_on, is_atari, make_atari_env, start_a_game_at_the_next_reset
 
 __all__ = ["DQN", "QNetwork", "make_env"]
@@ -150,11 +151,13 @@ class DQN(pl.LightningModule):
             self.q = QNetwork(math.prod(observations.shape), actions.n, hidden)
         # Copy decision: one deep copy, once. From here on the target is only written in place.
         self.target = make_target(self.q)
-        if replay == "frames" or (replay == "auto" and frames):
-            # Copy decision: each frame once; the stacks are rebuilt by the sample, not stored 8 times over.
-            self.buffer: ReplayBuffer | FrameReplayBuffer = FrameReplayBuffer(buffer_size, observations, actions)
-        else:
-            self.buffer = ReplayBuffer(buffer_size, observations, actions)
+        kind = FrameReplayBuffer if replay == "frames" or (replay == "auto" and frames) else ReplayBuffer
+        # Copy decision: each frame once (FrameReplayBuffer); the stacks are rebuilt by the sample, not stored 8 times
+        # over. A buffer this machine cannot hold is refused naming model.buffer_size and the bytes.
+        what = f"model.buffer_size={buffer_size} (a {kind.__name__} of {env_id})"
+        self.buffer: ReplayBuffer | FrameReplayBuffer = allocated(
+            lambda: kind(buffer_size, observations, actions), what, "model.buffer_size"
+        )
         self.rng = np.random.default_rng(seed)
         self.sampler = torch.Generator().manual_seed(seed)
         self.env_steps = 0

@@ -224,7 +224,8 @@ class GAN(pl.LightningModule):
                 confidence, rarest = self.judge.confidence(samples)
                 self.log(f"quality/confidence{suffix}", confidence)
                 self.log(f"quality/min_class_fraction{suffix}", rarest)
-            self.log(f"quality/fid{suffix}", self.judge.frechet_distance(real, samples))
+            what = f"the {'averaged' if suffix else 'live'} generator's samples at global step {self.global_step}"
+            self.log(f"quality/fid{suffix}", self.judge.frechet_distance(real, samples, what))
         self.log("quality/fid_floor", self.fid_floor)
         if self.trainer.is_global_zero:
             picture = sample_grid(averaged[: GRID * GRID])

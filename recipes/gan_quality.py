@@ -7,7 +7,8 @@ feature extractor); with labels it also rates samples by its confidence and by t
 
 Copy contract: evaluation reads only. The judge's features and predictions are computed under the caller's
 ``no_grad`` (Lightning's validation), ``SAMPLE_CHUNK`` images at a time; figures leave as Python floats, the grid as
-a new ``uint8`` array on the host. Nothing here writes a tensor it is given.
+a new ``uint8`` array on the host. Nothing here writes a tensor it is given. Images that hold a NaN or an Inf never
+reach the Frechet distance (``NonFiniteTraining``, which ``train.py`` prints as one line).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from PIL import Image
 from torch import nn
 from torchmetrics.image.fid import FrechetInceptionDistance
 
+from copy_correct.lightning import NonFiniteTraining
 from recipes.networks import ConvClassifier, MLPClassifier
 
 __all__ = ["GRID", "SAMPLE_CHUNK", "Judge", "sample_grid"]
@@ -64,8 +66,14 @@ class Judge(nn.Module):
                     optimizer.step()
         self.eval()
 
-    def frechet_distance(self, real: torch.Tensor, fake: torch.Tensor) -> float:
-        """The Frechet distance between ``real`` and ``fake`` images in this network's penultimate features."""
+    def frechet_distance(self, real: torch.Tensor, fake: torch.Tensor, what: str = "the samples") -> float:
+        """The Frechet distance between ``real`` and ``fake`` images in this network's penultimate features;
+        ``NonFiniteTraining`` naming ``what`` (``fake``) when either holds a NaN or an Inf, before torchmetrics sees
+        them: its matrix square root of NaN covariances crashed the process (a segfault in LAPACK's DGEBAL), and one
+        of infinite ones is no distance either. One host read per call (``compute`` reads one anyway)."""
+        for images, name in ((real, "the real images"), (fake, what)):
+            if not torch.isfinite(images).all():
+                raise NonFiniteTraining(f"{name} hold NaN or Inf: the Frechet distance is not computed on them")
         fid = FrechetInceptionDistance(feature=_Features(self)).to(real.device)
         for chunk in real.split(SAMPLE_CHUNK):
             fid.update(chunk, real=True)

@@ -8,6 +8,8 @@ Adapters:
     check_checkpoint     raises ``ValueError`` unless a checkpoint was stamped with this recipe and seed
     IsolatedEvaluation   each validation in ``fit`` leaves torch's, NumPy's and Python's generators as it found them
     RunSummary           writes ``summary.json`` (final metrics, recipe, seed)
+    NonFiniteStop        stops a run at the first NaN or Inf loss or weight, before a checkpoint holds it
+    NonFiniteTraining    what ``NonFiniteStop`` raises: one line naming the step
     LastCheckpoint       the resume point ``last.ckpt``: at every epoch's end, by steps and by time
     StaleTemporaries     at start, removes the temporary files of killed writers in the checkpoint folders
     DataWaitMonitor      samples per second and the share of time spent waiting for batches
@@ -35,6 +37,7 @@ from copy_correct.lightning.ema_callback import EMACallback
 from copy_correct.lightning.graph_guard import GraphRetentionCallback
 from copy_correct.lightning.isolated_evaluation import IsolatedEvaluation
 from copy_correct.lightning.last_checkpoint import LastCheckpoint
+from copy_correct.lightning.nonfinite_stop import NonFiniteStop, NonFiniteTraining
 from copy_correct.lightning.posthoc_ema_callback import PostHocEMACallback
 from copy_correct.lightning.resume import ResumeState, check_checkpoint
 from copy_correct.lightning.run_summary import RunSummary
@@ -48,6 +51,8 @@ __all__ = [
     "EMACallback",
     "GraphRetentionCallback",
     "IsolatedEvaluation",
+    "NonFiniteStop",
+    "NonFiniteTraining",
     "LastCheckpoint",
     "PostHocEMACallback",
     "ResumeState",

@@ -2,9 +2,12 @@
 allowed, no checkpoint written, no run directory left behind, an earlier run's directory left byte for byte as it was.
 A file that breaks only when a DataLoader worker reads it (``data.verify=false``) stops the run the same way.
 
-Out-of-range values are checked where they are used (constructors raise ``ValueError``); ``build``
-names them by their config key. Those are tested in process, for every recipe; the subprocess cases
-prove the path from each kind of error to the one line and exit status."""
+Every number and flag is checked before anything is built (``recipes/config_values.py``; every key of every recipe in
+``tests/recipes/test_config_values.py``); the parts refine the ranges where they use them (constructors raise
+``ValueError``), and ``build`` names them by their config key. Those are tested in process, for every recipe; the
+subprocess cases prove the path from each kind of error to the one line and exit status. A size that cannot be
+allocated names its key and the bytes; a run whose loss turns NaN stops with status 3 naming the step and writes no
+NaN checkpoint (the control: without ``NonFiniteStop`` it writes one)."""
 
 from __future__ import annotations
 
@@ -40,7 +43,9 @@ REFUSED = [
     ("missing checkpoint", ["+recipe=ema", "ckpt_path={earlier}/none.ckpt"], [
         "ckpt_path must be a checkpoint file or a run directory with checkpoints/last.ckpt", "none.ckpt",
     ]),
-    ("not a checkpoint", ["+recipe=ema", "ckpt_path={earlier}/metrics.csv"], ["metrics.csv", "is not a checkpoint"]),
+    ("not a checkpoint", ["+recipe=ema", "ckpt_path={earlier}/metrics.csv"], [
+        "metrics.csv", "is not the zip archive torch.save writes",
+    ]),
     ("another recipe's checkpoint", ["+recipe=gan", "ckpt_path={earlier}"], [
         "last.ckpt' cannot resume this run", "holds a run of recipe 'ema', not 'gan'", "resume it with +recipe=ema",
     ]),
@@ -55,19 +60,29 @@ REFUSED = [
     ("a folder of grey and RGB images", ["+recipe=ema", "data=images", "data.root={mixed}"], [
         "grey.png is a L image, but 4 of the 5 files are RGB", "set data.channels=3 data.convert=true",
     ]),
+    # every number and flag (recipes/config_values.py; tests/recipes/test_config_values.py has them all)
+    ("an infinite learning rate", ["+recipe=gan", "model.lr=inf"], ["model.lr must be in (0, inf), got inf"]),
+    ("a word for a batch size", ["+recipe=ema", "data.batch_size=abc"], [
+        "data.batch_size must be an integer >= 1, got str 'abc'",
+    ]),
+    ("a word for a seed", ["+recipe=dqn", "seed=abc"], ["seed must be an integer in [0, 4294967295], got str 'abc'"]),
+    ("a replay buffer that cannot be allocated", ["+recipe=dqn", "model.buffer_size=1000000000000"], [
+        "model.buffer_size=1000000000000 (a ReplayBuffer of CartPole-v1) needs 41.8 TiB (46,000,000,000,000 bytes)",
+        "lower model.buffer_size",
+    ]),
 ]  # fmt: skip
 
 OUT_OF_RANGE = [
-    ("metrics", "model.lr=-1", "model.lr must be > 0, got -1"),
+    ("metrics", "model.lr=-1", "model.lr must be in (0, inf), got -1"),
     ("metrics", "float32_matmul_precision=low", "float32_matmul_precision must be one of highest, high, medium, got"),
     ("metrics", "data.batch_size=0", "data.batch_size must be >= 1, got 0"),
     ("metrics", "data.val_fraction=1.5", "data.val_fraction must be in (0, 1), got 1.5"),
     ("ema", "callbacks.ema.decay=1.5", "callbacks.ema.decay must be in [0, 1), got 1.5"),
-    ("ema", "model.lr=0", "model.lr must be > 0, got 0"),
+    ("ema", "model.lr=0", "model.lr must be in (0, inf), got 0"),
     ("ema", "data.batch_size=0", "data.batch_size must be >= 1, got 0"),
     ("ema", "data.val_fraction=0.999", "data.val_fraction=0.999 leaves 1796 validation and 1 training digits"),
     ("gan", "model.ema_decay=1", "model.ema_decay must be in [0, 1), got 1"),
-    ("gan", "model.lr=0", "model.lr must be > 0, got 0"),
+    ("gan", "model.lr=0", "model.lr must be in (0, inf), got 0"),
     ("gan", "data.batch_size=-2", "data.batch_size must be >= 1, got -2"),
     ("gan", "model.eval_samples=99", "model.eval_samples must be >= 100 (each validation writes a 10x10 grid"),
     ("gan", "model.network=cnn", "model.network must be one of auto, mlp, conv, got 'cnn'"),
@@ -75,12 +90,12 @@ OUT_OF_RANGE = [
     ("ema", "model.num_classes=5", "model.num_classes=5 but the data has 10: leave model.num_classes null"),
     ("ema", "model.image_shape=[1,4,16]", "model.image_shape=[1, 4, 16] but the data has [1, 8, 8]"),
     ("dqn", "model.tau=0", "model.tau must be in (0, 1], got 0"),
-    ("dqn", "model.lr=0", "model.lr must be > 0, got 0"),
+    ("dqn", "model.lr=0", "model.lr must be in (0, inf), got 0"),
     ("dqn", "model.batch_size=0", "model.batch_size must be >= 1, got 0"),
     ("pinned", "data.max_shift=64", "data.max_shift must be in [0, data.size=64), got 64"),
     ("pinned", "data.size=4", "data.size must be >= 8, got 4"),
     ("pinned", "data.val_fraction=0.001", "data.val_fraction=0.001 leaves 2 validation and 1795 training digits"),
-    ("pinned", "model.lr=0", "model.lr must be > 0, got 0"),
+    ("pinned", "model.lr=0", "model.lr must be in (0, inf), got 0"),
     ("pinned", "model.stem_stride=0", "model.stem_stride must be >= 1, got 0"),
     ("pinned", "data.source=disk", "data.source must be one of workers, store, got 'disk'"),
     ("pinned", "data.channels=2", "data.channels must be 1 or 3, got 2"),
@@ -230,3 +245,58 @@ def test_a_model_built_by_hand_without_an_image_shape_says_which_key(model: str,
     with pytest.raises(ValueError, match=r"^model\.image_shape must be \(channels, height, width\), got "):
         build(image_shape=image_shape)
     build(image_shape=[1, 8, 8])  # the control: three sizes, as a list (what a config holds), build
+
+
+def test_a_model_that_cannot_be_allocated_is_refused_naming_the_bytes(tmp_path: Path) -> None:
+    """The allocation fails while ``model`` is instantiated: the line names the node and the bytes (under Hydra, with
+    the keys given for it: ``model (with model.hidden=...)``), not torch's allocator."""
+    with pytest.raises(ValueError, match=r"^model needs 232\.8 TiB \(256,000,000,000,000 bytes\), which cannot be all"):
+        build(compose_config("+recipe=metrics", "model.hidden=1000000000000", output_dir=tmp_path))
+
+
+def test_a_replay_buffer_larger_than_the_machine_is_refused_where_the_kernel_grants_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A kernel that grants any allocation (``vm.overcommit_memory=1``) maps the buffer lazily and the run would die
+    filling it: the buffer's bytes are compared with the machine's memory, here made 1 MB. The control: at the
+    machine's own memory the same buffer is built."""
+    import recipes.allocation
+    from recipes.dqn import DQN
+
+    assert DQN(buffer_size=100_000).buffer.nbytes > 2**20  # the control
+    monkeypatch.setattr(recipes.allocation, "machine_memory", lambda: 2**20)
+    with pytest.raises(ValueError, match=r"^model.buffer_size=100000 \(a ReplayBuffer of CartPole-v1\) needs 4\.4 MiB"):
+        DQN(buffer_size=100_000)
+
+
+def test_a_size_that_fails_once_fit_sets_up_stops_the_run_with_one_line(tmp_path: Path) -> None:
+    """The pinned store is allocated in the data module's ``setup``, once ``fit`` runs (Lightning has printed its
+    lines): the last line names the bytes and the size given, status 2, no traceback."""
+    run_dir = tmp_path / "run"
+    result = run_train(
+        "+recipe=pinned", "data.source=store", "data.store_size=100000000000", *QUIET, f"hydra.run.dir={run_dir}"
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: this run (with data.store_size=100000000000) needs 745.1 GiB (800,000,000,000 byt")
+    assert last.endswith("lower data.store_size"), last
+
+
+def test_a_run_whose_loss_turns_nan_stops_naming_the_step_and_writes_no_nan_checkpoint(tmp_path: Path) -> None:
+    """``model.lr=1e30`` is a finite learning rate (taken) with which ema's loss is NaN by its second batch:
+    ``NonFiniteStop`` (conf/callbacks/default.yaml) stops the run there, status 3, the last line naming the step, no
+    checkpoint written. The control, the same run without it, ends with status 0 and NaN weights in last.ckpt."""
+    import torch
+
+    args = ["+recipe=ema", "model.lr=1e30", "trainer.max_epochs=2", *QUIET]
+    result = run_train(*args, f"hydra.run.dir={tmp_path / 'stopped'}")
+    assert result.returncode == 3, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the training loss was NaN or Inf at epoch 0, batch 1 (global step 2)"), last
+    assert "Traceback" not in result.stderr and not list(tmp_path.rglob("*.ckpt"))
+
+    result = run_train(*args, "callbacks.nonfinite_stop=null", f"hydra.run.dir={tmp_path / 'control'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    weights = torch.load(tmp_path / "control" / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    assert not all(torch.isfinite(w).all() for w in weights.values())
