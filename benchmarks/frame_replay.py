@@ -18,6 +18,11 @@ a frame more per episode, and 23 bytes of action, reward, flags and episode star
 this process's resident set (``VmRSS``) from building a buffer to having filled it: what the operating system had to
 find. Times are medians over interleaved rounds, each peer's in a pair with ours (our column: the median over the
 pairs); a ratio is a peer's time over ours in its pair, above 1: ours is faster.
+
+The vector rows (``vector_table``): one game's frames cut into 1, 4 and 8 env streams, each from an episode's start and
+all cut to one length with the last step truncated (so the steps fed in a cycle continue every stream), added as a
+vector env's steps: ours with ``num_envs`` and ``autoreset_mode="disabled"``, stable-baselines3's with ``n_envs``, each
+full, timed interleaved in one run.
 """
 
 from __future__ import annotations
@@ -356,6 +361,84 @@ def timing_table(rec: Recording, capacity: int, budget: float) -> tuple[str, dic
     return "\n".join(lines), not_run
 
 
+ENVS = (1, 4, 8)
+
+
+def streams(rec: Recording, num_envs: int) -> list[tuple[Any, ...]]:
+    """``rec`` cut into ``num_envs`` env streams, each from an episode's start, as a vector env's steps ``(obs,
+    actions, rewards, next_obs, terminated, truncated)``: obs of shape ``(num_envs, stack, 84, 84)``, rewards in
+    float64 (as gymnasium's vector envs give them).
+    Every stream is cut to the shortest one's length and its last step truncated, so the steps fed in a cycle
+    continue each stream (as ``autoreset_mode="disabled"``: an env whose episode ended starts its next one)."""
+    starts = [0] + [i + 1 for i in range(len(rec) - 1) if rec.terminated[i] or rec.truncated[i]]
+    share = len(rec) // num_envs
+    firsts = [min(starts, key=lambda s, k=k: abs(s - k * share)) for k in range(num_envs)]
+    length = min(b - a for a, b in zip(firsts, [*firsts[1:], len(rec)], strict=True))
+    index = np.array(firsts)[:, None] + np.arange(length)  # (env, step) into the recording
+    obs = [np.stack([rec.obs[i] for i in index[:, t]]) for t in range(length)]
+    nxt = [np.stack([rec.next_obs[i] for i in index[:, t]]) for t in range(length)]
+    steps = []
+    for t in range(length):
+        at = index[:, t]
+        truncated = np.array([rec.truncated[i] or t == length - 1 for i in at])
+        steps.append((np.array([rec.action[i] for i in at]), np.array([rec.reward[i] for i in at]),
+                      np.array([rec.terminated[i] for i in at]) & ~truncated, truncated))  # fmt: skip
+    return [(obs[t], *steps[t][:2], nxt[t], *steps[t][2:]) for t in range(length)]
+
+
+def vector_adds(rec: Recording, num_envs: int, capacity: int, budget: float, sb3_buffer: Any) -> dict[str, float]:
+    """Milliseconds per ``add`` of one step of ``num_envs`` envs, ours and stable-baselines3's, interleaved, each
+    buffer filled first (its ring wrapped)."""
+    import gymnasium as gym
+
+    steps = streams(rec, num_envs)
+    ours = FrameReplayBuffer(capacity, space(rec), (), num_envs=num_envs, autoreset_mode="disabled")
+    sb3 = sb3_buffer(capacity // num_envs, space(rec), gym.spaces.Discrete(18), device="cpu", n_envs=num_envs,
+                     handle_timeout_termination=False)  # fmt: skip
+    infos = [{} for _ in range(num_envs)]
+    cursor = {OURS: 0, SB3: 0}
+
+    def add_ours() -> None:
+        ours.add(*steps[cursor[OURS] % len(steps)])
+        cursor[OURS] += 1
+
+    def add_sb3() -> None:
+        o, a, r, nxt, te, tr = steps[cursor[SB3] % len(steps)]
+        sb3.add(o, nxt, a, r, te | tr, infos)
+        cursor[SB3] += 1
+
+    for _ in tqdm(range(capacity // num_envs + len(steps)), desc=f"filling {num_envs} envs", leave=False,
+                  file=sys.stderr):  # fmt: skip
+        add_ours()
+        add_sb3()
+    return median_ms({OURS: add_ours, SB3: add_sb3}, torch.device("cpu"), budget)
+
+
+def vector_table(rec: Recording, capacity: int, budget: float) -> tuple[str, dict[str, str]]:
+    """``add`` of one step of 1, 4 and 8 envs, ours against stable-baselines3's (``n_envs``), each full."""
+    buffers = load("stable_baselines3.common.buffers", "stable-baselines3")
+    if isinstance(buffers, Missing):
+        return "", {label("stable-baselines3", "ReplayBuffer"): buffers}
+    lines = [
+        f"**add, one step of a vector env**: {rec.game}'s frames cut into 1, 4 or 8 env streams (each from an "
+        f"episode's start), rewards in float64 as gymnasium's vector envs give them; every buffer full "
+        f'({capacity:,} transitions); ours with ``num_envs`` and ``autoreset_mode="disabled"``, checking every '
+        "row (shapes, dtypes, finite rewards, each stream continued, each ended episode's last stack continued)",
+        "",
+        f"| envs | {NAMES[OURS]} µs | {label('stable-baselines3', 'ReplayBuffer')} µs | stable-baselines3 / ours | "
+        "ours per transition µs |",
+        "| ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for num_envs in ENVS:
+        ms = vector_adds(rec, num_envs, capacity, budget, buffers.ReplayBuffer)
+        lines.append(
+            f"| {num_envs} | {ms[OURS] * 1e3:.1f} | {ms[SB3] * 1e3:.1f} | {ms[SB3] / ms[OURS]:.2f}x | "
+            f"{ms[OURS] * 1e3 / num_envs:.1f} |"
+        )
+        gc.collect()
+    return "\n".join(lines), {}
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: {message}\n")  # one line, no usage block
@@ -379,8 +462,9 @@ def main(argv: list[str]) -> int:
     played: list[Recording] = [r for r in recordings if isinstance(r, Recording)]
     memory, per_transition, not_run = memory_table(played, capacity)
     timing, more = timing_table(played[-1], capacity, budget)
-    tables = [memory, million(played, many, per_transition), timing]
-    tables += [f"Not run: {name}: {why}." for name, why in {**not_run, **more}.items()]
+    vector, vector_missing = vector_table(played[-1], capacity, budget)
+    tables = [memory, million(played, many, per_transition), timing, *([vector] if vector else [])]
+    tables += [f"Not run: {name}: {why}." for name, why in {**not_run, **more, **vector_missing}.items()]
     for text in tables:
         print(text, end="\n\n", flush=True)
     options = (" --quick" if args.quick else "") + (f" --budget {args.budget:g}" if args.budget is not None else "")

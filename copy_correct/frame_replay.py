@@ -5,6 +5,7 @@
                                num_envs=8, autoreset_mode=envs.metadata["autoreset_mode"])
     buffer.add(obs, actions, rewards, next_obs, terminations, truncations)   # what envs.step gave
     batch = buffer.sample(32)                  # {"obs": (32, 4, 84, 84) uint8, ...}: the stacks the env gave
+    batch = buffer.sample(32, device="cuda")   # gathered into pinned memory, copied without a wait
 
 A stacked observation (``FrameStackObservation(env, 4)``: 4 frames of 84x84) shares 3 frames with the next one, and
 a buffer of whole stacks (``ReplayBuffer``, stable-baselines3's, TorchRL's) stores every frame 8 times, 4 in ``obs``
@@ -21,14 +22,23 @@ Episodes and vector envs, by ``autoreset_mode`` (``envs.metadata["autoreset_mode
   observation to the first, the action ignored) is no transition. The buffer knows which env ended and stores no row
   for it; that row's ``next_obs`` starts the env's next episode.
 * ``"same_step"``: an env that ends resets in the same step and ``next_obs`` is already the next episode's first
-  observation. Pass the real last one: ``final_obs=infos.get("final_obs")`` (or ``next_obs`` with those rows replaced,
-  as CleanRL does). The next ``obs`` of that env starts its next episode.
+  observation. Pass the real last one: ``final_obs=infos.get("final_obs")`` (or ``next_obs`` with every ended row
+  replaced; CleanRL's lines for gymnasium replace only the truncated ones, so with them pass ``final_obs`` too). The
+  next ``obs`` of that env starts its next episode.
 * ``"disabled"`` (and a single env, ``num_envs=None``, reset by hand): the next ``obs`` of an env whose episode
   ended starts its next episode.
 
 Every ``obs`` must continue its env's stream: its newest frame is the frame the env's last transition ended on (or it
 starts an episode, and its frames before the newest are the padding). A row that does not (an autoreset mode that is
-not the env's, a reset the buffer was not told of) is refused, so no transition that crosses episodes is stored.
+not the env's, a reset the buffer was not told of) is refused. So is a row that ends an episode with a ``next_obs``
+that does not continue its ``obs`` (its frames before the newest are not ``obs``'s after the oldest): in
+``"same_step"`` mode with ``final_obs`` forgotten, that ``next_obs`` is the next episode's reset stack, and the
+stored stack would end on its frame. So no transition that crosses episodes is stored, as far as frames tell: a
+reset stack equal to the episode's last frames (a game that resets to the screen it ended on) cannot be told apart.
+
+The observation space must be stacks first, ``(stack, *frame)``, with at most 32 frames: a channel-last stack
+(stable-baselines3's ``VecFrameStack``: ``(84, 84, 4)``) or an unstacked image (``(84, 84)``, ``(210, 160, 3)``) is
+refused at construction, naming the layout.
 
 Copy contract (as ``ReplayBuffer``'s):
 
@@ -38,10 +48,13 @@ Copy contract (as ``ReplayBuffer``'s):
   and flags into the rings; it keeps no reference to the caller's arrays. Numpy arrays, tensors on any device (read
   through ``detach()``: the buffer never holds a graph) and Python numbers are taken. Everything is checked before
   anything is written: a wrong shape, a dtype that would change values, or an ``obs`` that does not continue its
-  stream is a one-line ``ValueError`` that names the field and env, and the buffer is left as it was.
+  stream is a one-line ``ValueError`` that names the field and env, and the buffer is left as it was. So is a reward
+  that is not finite, or beyond float32 (``ReplayBuffer``'s checks). With ``num_envs``, a single ``truncated`` flag
+  (the default ``False``) is every env's.
 * ``sample`` gathers into new memory: nothing in a batch shares storage with the rings or with another field of
   the batch (``obs`` and ``next_obs`` overlap in frames but are gathered apart), so training code may change a batch
-  in place.
+  in place. ``sample(..., device="cuda")`` gathers into pinned host memory and copies each field with
+  ``non_blocking=True`` (``_host_batch``); the rings stay on the host.
 * ``state_dict()`` holds the rings (sharing their memory, not copied) and every stream's position: a resumed run
   samples the same transitions as the uninterrupted one; it loads with ``torch.load(..., weights_only=True)``.
 """
@@ -54,13 +67,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from copy_correct import _host_batch
 from copy_correct._autoreset import AUTORESET_MODES, parse_mode
+from copy_correct._checks import device as checked_device
 from copy_correct._checks import integral
-from copy_correct.replay import _F32_MAX, _F32_MIN, _SOURCE_DTYPES, Space, _check_sample, _layout, _refusal
+from copy_correct._replay_values import F32_MAX, F32_MIN, finite_rewards, may_overflow, value_refusal
+from copy_correct.replay import Space, _check_sample, _flag_rows, _layout, _refusal, _unseen
 
 __all__ = ["AUTORESET_MODES", "FrameReplayBuffer"]
 
 PADDINGS = ("reset", "zero")
+MAX_STACK = 32  # more frames than this in the first dimension: not a stack (channel-last, or one unstacked image)
 
 
 class FrameReplayBuffer:
@@ -103,8 +120,7 @@ class FrameReplayBuffer:
         if padding not in PADDINGS:
             raise ValueError(f"padding must be one of {', '.join(PADDINGS)}, got {padding!r}")
         obs_shape, frame_dtype = _layout("obs", obs, None, np.uint8)
-        if len(obs_shape) < 2 or obs_shape[0] < 1:
-            raise ValueError(f"obs must be a stack of frames, shape (stack, *frame), got {obs_shape}")
+        _check_stacked(obs_shape)
         self.action_shape, action_np = _layout("action", action, action_dtype, np.int64)
         self.num_envs, self.padding = num_envs, padding
         self.stack, self.frame_shape = obs_shape[0], obs_shape[1:]
@@ -146,12 +162,18 @@ class FrameReplayBuffer:
             "reward": torch.float32, "terminated": torch.bool, "truncated": torch.bool,
         }  # fmt: skip
         shapes = {"action": self.action_shape, "reward": (), "terminated": (), "truncated": ()}
+        # rewards: no dtype taken unseen, their values are always looked at (finite, within float32)
         self._fields = {
-            name: (shapes.get(name, obs_shape), frozenset(
-                d for d in _SOURCE_DTYPES if d is not int and _refusal(name, d, None, stored) is None
-            ))
+            name: (shapes.get(name, obs_shape), frozenset() if name == "reward" else _unseen(name, stored))
             for name, stored in self._stored_as.items()
         }  # fmt: skip
+        self._reward_takes = _unseen("reward", torch.float32, any_range=True)  # then looked at by finite_rewards
+        self._step = (envs,) if num_envs is not None else ()
+        self._step_obs, self._step_action = (*self._step, *obs_shape), (*self._step, *self.action_shape)
+        self._flag_rows = _flag_rows(envs)  # truncated=False (the default) or True for every env
+        self._frame_rows = self._envs * (self._length + 1)  # each stream's first row in _frames_flat
+        self._slot_rows = self._envs * self._length  # each stream's first row in the per-slot fields
+        self._few = envs <= 2  # the common step env by env, on plain indices (faster for one or two)
         integer = not self.action_shape and action_np.kind in "iu"
         self._action_range = (int(np.iinfo(action_np).min), int(np.iinfo(action_np).max)) if integer else None
         self.nbytes = sum(a.nbytes for a in self._arrays().values())
@@ -195,23 +217,35 @@ class FrameReplayBuffer:
         """Store one transition per env (``num_envs=N``: each field with a leading dimension N): the newest frame of
         ``next_obs``, and of ``obs`` where it starts an episode. In ``"next_step"`` mode an env's reset step is not
         stored. ``final_obs`` (``infos.get("final_obs")``, ``"same_step"`` mode): the real last observations, taken in
-        place of ``next_obs`` for the envs whose episode ended. Checked before anything is written."""
+        place of ``next_obs`` for the envs whose episode ended. ``truncated``: one flag per env, or one for all (the
+        default ``False``). Checked before anything is written, each refusal one line naming the field (and env): a
+        shape or dtype that does not fit, a reward that is not finite, an ``obs`` that does not continue its stream,
+        and an ended row whose ``next_obs`` does not continue its ``obs`` (the next episode's reset stack, as
+        ``"same_step"`` gives it: the message names ``final_obs``)."""
         if self.num_envs is None and final_obs is None:
             self._add_one(obs, action, reward, next_obs, terminated, truncated)
             return
-        o = self._checked("obs", obs)
-        n = self._checked("next_obs", next_obs)
-        a = self._checked("action", action)
-        r = self._checked("reward", reward)
-        te = self._checked("terminated", terminated)
-        tr = self._checked("truncated", truncated)
+        if self.num_envs is not None and isinstance(truncated, (bool, np.bool_)):  # one flag for every env
+            truncated = self._flag_rows[bool(truncated)]
+        if self._as_given(obs, action, next_obs, terminated, truncated):  # arrays as a vector env gives them
+            o, n, a, te, tr = obs, next_obs, action, terminated, truncated
+        else:
+            o = self._checked("obs", obs)
+            n = self._checked("next_obs", next_obs)
+            a = self._checked("action", action)
+            te = self._checked("terminated", terminated)
+            tr = self._checked("truncated", truncated)
+        r = self._rewards(reward)
         done = te | tr
-        if final_obs is not None:
+        ends = np.count_nonzero(done)
+        if ends and final_obs is not None:
             n = self._with_final(n, final_obs, done)
         envs = self._envs
         if not self._at_boundary:  # every env continues an episode: the common step, checked and written at once
-            self._check_continues(o, envs)
-            self._store(envs, a, r, te, tr, n[:, -1])
+            self._check_continue_all(o)
+            if ends:
+                self._check_ends(o, n, np.flatnonzero(done))
+            self._step_all(a, r, te, tr, n[:, -1])
             moving = envs
         else:
             reset_row = self._ended  # next_step: these envs' rows are their reset steps, stored as no transition
@@ -219,18 +253,119 @@ class FrameReplayBuffer:
             self._check_starts(o, envs[starting], "obs")
             self._check_starts(n, envs[reset_row], "next_obs")
             self._check_continues(o, envs[~starting])  # a reset step's obs is still its episode's last one
+            moving = envs[~reset_row]
+            if ends:
+                self._check_ends(o, n, moving[done[moving]])
             for at, stacks in ((envs[starting], o), (envs[reset_row], n)):  # episodes' first frames
                 self._current[at] = self._write_frames(at, stacks[at, -1], None)
-            moving = envs[~reset_row]
             self._store(moving, a[moving], r[moving], te[moving], tr[moving], n[moving, -1])
             self._ended[:] = False
-        ended = moving[done[moving]]
-        if len(ended):
+        if ends:
+            ended = moving[done[moving]]
             if self.autoreset_mode == "next_step":
                 self._ended[ended] = True
             else:
                 self._current[ended] = -1
-        self._at_boundary = bool(self._ended.any()) or bool((self._current < 0).any())
+        if ends or self._at_boundary:
+            self._at_boundary = bool(self._ended.any()) or bool((self._current < 0).any())
+
+    def _as_given(self, obs: Any, action: Any, next_obs: Any, terminated: Any, truncated: Any) -> bool:
+        """Whether these fields are numpy arrays of a step's shapes in dtypes they take as they are: ``_checked``'s
+        first test for all of them in one expression (a call per field costs as much as the common step's writes)."""
+        if self.num_envs is None:
+            return False
+        nd, stacks, flags = np.ndarray, self._step_obs, self._step
+        (_, takes_obs), (_, takes_action), (_, takes_flag) = (self._fields[k] for k in ("obs", "action", "terminated"))
+        return (
+            type(obs) is nd and type(next_obs) is nd and type(action) is nd and type(terminated) is nd
+            and type(truncated) is nd and obs.shape == stacks and next_obs.shape == stacks
+            and action.shape == self._step_action and terminated.shape == flags and truncated.shape == flags
+            and obs.dtype in takes_obs and next_obs.dtype in takes_obs and action.dtype in takes_action
+            and terminated.dtype in takes_flag and truncated.dtype in takes_flag
+        )  # fmt: skip
+
+    def _rewards(self, reward: Any) -> np.ndarray:
+        """``reward`` checked: rewards as a vector env gives them (float64) cost a dtype lookup and a comparison each
+        (``finite_rewards``); anything else, or a reward that is not finite, takes ``_checked``'s way, which refuses
+        it naming the field."""
+        if (
+            type(reward) is np.ndarray
+            and reward.shape == self._step
+            and reward.dtype in self._reward_takes
+            and finite_rewards(reward)
+        ):
+            return reward if self.num_envs is not None else reward[None]
+        return self._checked("reward", reward)
+
+    def _check_continue_all(self, stacks: np.ndarray) -> None:
+        """``_check_continues`` for every env, in the common step: one gather of the streams' current frames, compared
+        as bytes (a copy and a ``memcmp``: a fifth of the time of ``np.array_equal`` for one 84x84 frame)."""
+        if self._few:
+            frames, current, length = self._frames_flat, self._current.tolist(), self._length
+            for env, row in enumerate(self._frame_rows.tolist()):
+                if stacks[env, -1].tobytes() != frames[row + current[env] % length].tobytes():
+                    self._check_continues(stacks, self._envs)  # raises, naming the env
+            return
+        kept = self._frames_flat[self._frame_rows + self._current % self._length]
+        if stacks[:, -1].tobytes() != kept.tobytes():
+            self._check_continues(stacks, self._envs)  # raises, naming the env
+
+    def _step_all(
+        self, action: np.ndarray, reward: np.ndarray, te: np.ndarray, tr: np.ndarray, nxt: np.ndarray
+    ) -> None:
+        """``_store`` for every env, each of which continues its episode (so its current frame is the last it wrote):
+        the rows computed once, no index of envs; one or two envs by plain indices (a third of the time)."""
+        if self._few:
+            self._step_few(action, reward, te, tr, nxt)
+            return
+        length, written, valid = self._length, self._written, self._valid_flat
+        rows = self._slot_rows + self._current % length
+        following = self._slot_rows + written % length  # where each stream's next frame goes
+        valid[rows] = True
+        self._action_flat[rows] = action
+        self._reward_flat[rows] = reward
+        self._terminated_flat[rows] = te
+        self._truncated_flat[rows] = tr
+        self._stored += len(rows) - np.count_nonzero(valid[following])  # less those whose first frame is overwritten
+        self._frames_flat[following + self._envs] = nxt  # a frame row is env * (length + 1) + slot
+        self._start_flat[following] = self._start_flat[rows]
+        valid[following] = False
+        self._current[:] = written
+        written += 1
+
+    def _step_few(
+        self, action: np.ndarray, reward: np.ndarray, te: np.ndarray, tr: np.ndarray, nxt: np.ndarray
+    ) -> None:
+        """``_step_all`` env by env, on Python integers."""
+        length, valid, start = self._length, self._valid_flat, self._start_flat
+        current, written = self._current, self._written
+        for env, (now, position) in enumerate(zip(current.tolist(), written.tolist(), strict=True)):
+            row, following = env * length + now % length, env * length + position % length
+            valid[row] = True
+            self._action_flat[row] = action[env]
+            self._reward_flat[row] = reward[env]
+            self._terminated_flat[row] = te[env]
+            self._truncated_flat[row] = tr[env]
+            self._stored += 1 - bool(valid[following])  # less the transition whose first frame is overwritten
+            self._frames_flat[following + env] = nxt[env]
+            start[following] = start[row]
+            valid[following] = False
+            current[env] = position
+            written[env] = position + 1
+
+    def _check_ends(self, obs: np.ndarray, next_obs: np.ndarray, at: np.ndarray) -> None:
+        """Each row of ``at`` ends an episode: its ``next_obs`` must continue its ``obs`` (the frames before its newest
+        are ``obs``'s after the oldest), or it would be stored as a stack reaching into the next episode."""
+        if self.stack == 1 or not len(at):
+            return
+        bad = ~(next_obs[at, :-1] == obs[at, 1:]).reshape(len(at), -1).all(axis=1)
+        if bad.any():
+            where = "" if self.num_envs is None else f" of env {int(at[bad][0])}"
+            raise ValueError(
+                f"next_obs{where} ends an episode but does not continue obs (its earlier frames are not obs's later "
+                "ones): it is the next episode's first observation, as same_step autoreset gives it; pass the real "
+                "last ones, final_obs=infos['final_obs'] (or next_obs with every ended row replaced, terminated too)"
+            )
 
     def _add_one(self, obs: Any, action: Any, reward: Any, next_obs: Any, terminated: Any, truncated: Any) -> None:
         """``add`` for one env reset by hand, on Python numbers and plain indices: the numbers a loop has from
@@ -238,7 +373,7 @@ class FrameReplayBuffer:
         o = self._checked("obs", obs)[0]
         n = self._checked("next_obs", next_obs)[0]
         a = action if self._plain_action(action) else self._checked("action", action)[0]
-        r = reward if type(reward) is float and _F32_MIN <= reward <= _F32_MAX else self._checked("reward", reward)[0]
+        r = reward if type(reward) is float and F32_MIN <= reward <= F32_MAX else self._checked("reward", reward)[0]
         te = terminated if type(terminated) is bool else bool(self._checked("terminated", terminated)[0])
         tr = truncated if type(truncated) is bool else bool(self._checked("truncated", truncated)[0])
         length, current = self._length, int(self._current[0])
@@ -246,6 +381,8 @@ class FrameReplayBuffer:
             self._check_starts(o[None], self._envs, "obs")
         elif not np.array_equal(o[-1], self._frames[0, current % length]):
             self._check_continues(o[None], self._envs)  # raises, naming what is wrong
+        if (te or tr) and self.stack > 1 and not np.array_equal(n[:-1], o[1:]):
+            self._check_ends(o[None], n[None], self._envs)  # raises, naming final_obs
         if current < 0:
             current = self._write_one(o[-1], None)
         slot = current % length
@@ -376,7 +513,10 @@ class FrameReplayBuffer:
             raise ValueError(f"{name} has shape {array.shape}, the buffer stores {shape} per transition{per_add}")
         if source not in accepted:
             number = value if isinstance(value, (bool, int, float, np.generic)) else None
-            refusal = _refusal(name, source, number, self._stored_as[name])
+            stored = self._stored_as[name]
+            refusal = _refusal(name, source, number, stored)
+            if refusal is None and (name == "reward" or may_overflow(source, stored)):  # values it cannot hold
+                refusal = value_refusal(name, array, stored, name == "reward")
             if refusal is not None:
                 raise ValueError(refusal)
         return array[None] if single else array
@@ -396,13 +536,21 @@ class FrameReplayBuffer:
         in_ring = (positions < self._written[envs]) & (first_needed >= self._written[envs] - self._length)
         return self._valid[envs, slots] & in_ring
 
-    def sample(self, batch_size: int, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
-        """``batch_size`` transitions drawn uniformly with replacement, as new tensors on the CPU: ``obs`` and
+    def sample(
+        self, batch_size: int, generator: torch.Generator | None = None, *, device: str | torch.device = "cpu"
+    ) -> dict[str, torch.Tensor]:
+        """``batch_size`` transitions drawn uniformly with replacement, as new tensors on ``device``: ``obs`` and
         ``next_obs`` the stacks the env gave (shape ``(batch_size, stack, *frame)``), ``action``, ``reward``,
         ``terminated``, ``truncated``. Candidates are frames drawn by ``torch.randint`` with ``generator``, a quarter
         more than needed, and the first that start a transition whose stacks are still in the ring are kept (an
-        episode's last frame starts none); more are drawn in the rare case that too few were."""
+        episode's last frame starts none); more are drawn in the rare case that too few were.
+
+        On the CPU (the default) the batch is new numpy memory. For a CUDA ``device`` it is gathered into pinned host
+        memory and copied with ``non_blocking=True``, one copy per field that the host does not wait for
+        (``copy_correct._host_batch``); another device: gathered on the host, then ``.to(device)``."""
         _check_sample(batch_size, generator)
+        target = checked_device("device", device)
+        pinned = target.type == "cuda"
         if self._stored == 0:  # with one stored, each stream's newest transition has its whole stack in the ring
             raise ValueError("cannot sample from a FrameReplayBuffer that holds no transition yet")
         length, written = self._length, self._written
@@ -426,16 +574,16 @@ class FrameReplayBuffer:
         start = self._start_flat.take(rows)[:, None]
         obs_at = positions[:, None] + self._offsets
         batch = {
-            "obs": self._gather(envs, obs_at, start),
-            "action": self._action_flat.take(rows, axis=0),
-            "reward": self._reward_flat.take(rows),
-            "next_obs": self._gather(envs, obs_at + 1, start),
-            "terminated": self._terminated_flat.take(rows),
-            "truncated": self._truncated_flat.take(rows),
+            "obs": self._gather(envs, obs_at, start, pinned),
+            "action": _taken(self._action_flat, rows, pinned),
+            "reward": _taken(self._reward_flat, rows, pinned),
+            "next_obs": self._gather(envs, obs_at + 1, start, pinned),
+            "terminated": _taken(self._terminated_flat, rows, pinned),
+            "truncated": _taken(self._truncated_flat, rows, pinned),
         }
-        return {name: torch.from_numpy(value) for name, value in batch.items()}
+        return batch if target.type == "cpu" else _host_batch.moved(batch, target)
 
-    def _gather(self, envs: np.ndarray, positions: np.ndarray, start: np.ndarray) -> np.ndarray:
+    def _gather(self, envs: np.ndarray, positions: np.ndarray, start: np.ndarray, pinned: bool) -> torch.Tensor:
         """The frames at ``positions`` (batch, stack) of each row's env: those before the row's episode start are its
         padding. One gather of the flattened rings into new numpy memory, by torch's ``index_select``, which splits the
         copy over its threads (measured by ``benchmarks/frame_replay.py``: 10-15% under numpy's ``take``; indexing the
@@ -446,9 +594,9 @@ class FrameReplayBuffer:
         else:
             slots = np.where(before, self._length, positions % self._length)
         index = torch.from_numpy(envs[:, None] * (self._length + 1) + slots).reshape(-1)
-        out = np.empty((index.numel(), *self.frame_shape), dtype=self._frames.dtype)
-        torch.index_select(self._frames_torch, 0, index, out=torch.from_numpy(out))
-        return out.reshape(*positions.shape, *self.frame_shape)
+        _, out = _host_batch.empty((index.numel(), *self.frame_shape), self._frames.dtype, pinned)
+        torch.index_select(self._frames_torch, 0, index, out=out)
+        return out.view(*positions.shape, *self.frame_shape)
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
 
@@ -475,6 +623,35 @@ class FrameReplayBuffer:
             into[...] = state[name].numpy()
         self._stored = int(self._valid.sum())
         self._at_boundary = bool(self._ended.any()) or bool((self._current < 0).any())
+
+
+def _taken(field: np.ndarray, rows: np.ndarray, pinned: bool) -> torch.Tensor:
+    """``field``'s ``rows`` gathered into new host memory (``pinned``: page-locked, for a copy to a CUDA device)."""
+    if not pinned:
+        return torch.from_numpy(field.take(rows, axis=0))
+    array, out = _host_batch.empty((len(rows), *field.shape[1:]), field.dtype, pinned)
+    field.take(rows, axis=0, out=array, mode="clip")  # rows are in range: clip skips numpy's buffering
+    return out
+
+
+def _check_stacked(shape: tuple[int, ...]) -> None:
+    """``shape`` must be a stack of frames, ``(stack, *frame)`` with at most ``MAX_STACK`` frames: a channel-last stack
+    (stable-baselines3's ``VecFrameStack``: ``(84, 84, 4)``) or a single image would otherwise be taken as 84 frames,
+    and refused only at the first ``add``."""
+    if len(shape) < 2 or shape[0] < 1:
+        raise ValueError(f"obs must be a stack of frames, shape (stack, *frame), got {shape}")
+    if shape[0] <= MAX_STACK:
+        return
+    if len(shape) == 3 and shape[-1] <= MAX_STACK:
+        raise ValueError(
+            f"obs has shape {shape}, a channel-last layout (height, width, stack), as stable-baselines3's "
+            "VecFrameStack gives it: the buffer takes stacks first, (stack, *frame): move the axis "
+            "(np.moveaxis(obs, -1, -3), VecTransposeImage) or stack with gymnasium's FrameStackObservation"
+        )
+    raise ValueError(
+        f"obs has shape {shape}, not a stack of frames (stack, *frame) of at most {MAX_STACK}: an unstacked "
+        "observation? wrap the env in gymnasium's FrameStackObservation(env, 4)"
+    )
 
 
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:

@@ -16,6 +16,7 @@ import pytest
 import torch
 from gymnasium.vector import AutoresetMode
 
+import copy_correct.frame_replay as frame_replay
 from copy_correct import FrameReplayBuffer, ReplayBuffer
 
 FRAME = (3, 4)  # small frames: the layout is what is proven, not the size
@@ -61,15 +62,27 @@ def vector_envs(num_envs: int, mode: str, padding: str = "reset") -> gym.vector.
     )
 
 
+FEEDS = ("final_obs", "rows replaced", "truncated rows replaced", "as the env gave it")
+
+
 def play(
-    mode: str, steps: int, capacity: int, num_envs: int = 3, padding: str = "reset", naive: bool = False
+    mode: str,
+    steps: int,
+    capacity: int,
+    num_envs: int = 3,
+    padding: str = "reset",
+    naive: bool = False,
+    feed: str = "final_obs",
+    kind: type[FrameReplayBuffer] = FrameReplayBuffer,
 ) -> tuple[FrameReplayBuffer | Any, ReplayBuffer, list[dict[str, torch.Tensor]]]:
     """``steps`` vector steps of random actions into a FrameReplayBuffer and, as the env's loop must handle its
     mode, into a ReplayBuffer of whole stacks that keeps every transition; 256 transitions sampled from the former
     every 20 steps (each time from what its rings hold then). Each stored transition's reward is its number, so a
-    sampled one can be found in the other buffer."""
+    sampled one can be found in the other buffer. ``feed``, in ``same_step`` mode: ``final_obs=infos["final_obs"]``,
+    ``next_obs`` with every ended row replaced by its final observation, only the truncated ones replaced (CleanRL's
+    lines for gymnasium), or ``next_obs`` as the env gave it."""
     envs = vector_envs(num_envs, mode, padding)
-    frames = (NaiveFrames if naive else FrameReplayBuffer)(
+    frames = (NaiveFrames if naive else kind)(
         capacity, envs.single_observation_space, envs.single_action_space, num_envs=num_envs,
         autoreset_mode=envs.metadata["autoreset_mode"], padding=padding,
     )  # fmt: skip
@@ -88,8 +101,15 @@ def play(
         if mode == "same_step":
             for i in np.flatnonzero(done):
                 real_next[i] = infos["final_obs"][i]
-        kwargs = {"final_obs": infos["final_obs"]} if mode == "same_step" and done.any() else {}
-        frames.add(obs, actions, rewards, next_obs, terminated, truncated, **kwargs)
+        given, kwargs = next_obs, {}
+        if mode == "same_step" and done.any():
+            if feed == "final_obs":
+                kwargs = {"final_obs": infos["final_obs"]}
+            elif feed == "rows replaced":
+                given = real_next
+            elif feed == "truncated rows replaced":  # CleanRL: `for idx, trunc in enumerate(truncations): ...`
+                given = np.where(truncated[:, None, None, None], real_next, next_obs)
+        frames.add(obs, actions, rewards, given, terminated, truncated, **kwargs)
         for i in range(num_envs):
             if not (mode == "next_step" and ended[i]):  # a reset step is no transition
                 stacks.add(obs[i], actions[i], rewards[i], real_next[i], terminated[i], truncated[i])
@@ -116,10 +136,14 @@ def same_as_stored(batch: dict[str, torch.Tensor], stacks: ReplayBuffer) -> list
     return wrong
 
 
+@pytest.mark.parametrize("num_envs", [3, 1], ids=["3 envs", "1 env"])  # 1 (and 2): the common step env by env
 @pytest.mark.parametrize("padding", ["reset", "zero"])
 @pytest.mark.parametrize("mode", list(MODES))
-def test_every_sampled_transition_is_the_envs_bit_for_bit_in_every_autoreset_mode(mode: str, padding: str) -> None:
-    _, stacks, batches = play(mode, steps=400, capacity=3 * 24, padding=padding)  # 24 frames a stream
+def test_every_sampled_transition_is_the_envs_bit_for_bit_in_every_autoreset_mode(
+    mode: str, padding: str, num_envs: int
+) -> None:
+    steps = 400 if num_envs > 1 else 1000
+    _, stacks, batches = play(mode, steps, num_envs * 24, num_envs, padding)  # 24 frames a stream
     batch = {field: torch.cat([b[field] for b in batches]) for field in batches[0]}
     assert same_as_stored(batch, stacks) == []
     assert len(set(batch["reward"].tolist())) > 0.8 * stacks.size  # 20 draws, each of its window, cover most
@@ -138,11 +162,60 @@ def test_the_control_a_frame_buffer_without_episode_starts_builds_stacks_the_env
     assert (episodes != episodes[:, -1:]).any(dim=1).all()  # each wrong stack mixes two episodes
 
 
+@pytest.mark.parametrize("feed", ["final_obs", "rows replaced"])
+def test_same_step_rows_fed_with_their_final_observations_are_the_envs(feed: str) -> None:
+    """CleanRL's way (``next_obs`` with the ended rows replaced before ``add``) and ours (``final_obs``) store the same
+    transitions, bit for bit."""
+    _, stacks, batches = play("same_step", 300, 3 * 24, feed=feed)
+    batch = {field: torch.cat([b[field] for b in batches]) for field in batches[0]}
+    assert same_as_stored(batch, stacks) == [] and (batch["terminated"] | batch["truncated"]).any()
+
+
+@pytest.mark.parametrize("feed", ["as the env gave it", "truncated rows replaced"])
+def test_a_same_step_row_ending_on_the_next_episodes_reset_stack_is_refused_naming_final_obs(feed: str) -> None:
+    """``final_obs`` forgotten (or, as CleanRL's lines for gymnasium do, only the truncated rows replaced): the first
+    ended row whose ``next_obs`` is the next episode's reset stack is refused, and nothing of it is written."""
+    with pytest.raises(ValueError, match=r"^next_obs of env \d ends an episode but does not continue obs") as error:
+        play("same_step", 300, 3 * 24, feed=feed, kind=WrittenOnlyWhole)
+    assert "final_obs=infos['final_obs']" in str(error.value) and "\n" not in str(error.value)
+    refused = WrittenOnlyWhole.last
+    assert refused.arrays_before == {name: a.tobytes() for name, a in refused._arrays().items()}
+
+
+class WrittenOnlyWhole(FrameReplayBuffer):
+    """Remembers its arrays before each ``add``: the refused one must leave them as they were."""
+
+    last: WrittenOnlyWhole
+
+    def add(self, *args: Any, **kwargs: Any) -> None:
+        WrittenOnlyWhole.last = self
+        self.arrays_before = {name: a.tobytes() for name, a in self._arrays().items()}
+        super().add(*args, **kwargs)
+
+
+class UncheckedEnds(FrameReplayBuffer):
+    """The control: a buffer that does not look at an ended row's ``next_obs``."""
+
+    def _check_ends(self, obs: np.ndarray, next_obs: np.ndarray, at: np.ndarray) -> None:
+        pass
+
+
+def test_the_control_without_the_check_the_ended_rows_end_on_the_next_episodes_reset_stack() -> None:
+    frames, stacks, _ = play("same_step", 300, 3 * 24, feed="as the env gave it", kind=UncheckedEnds)
+    batch = frames.sample(4096, generator=torch.Generator().manual_seed(0))
+    wrong = same_as_stored(batch, stacks)
+    done = batch["terminated"] | batch["truncated"]
+    assert len(wrong) > 100 and wrong == done.nonzero().flatten().tolist()  # every ended row drawn, and only those
+    episode = batch["next_obs"][wrong][:, :, 0, 1].long()  # the episode each frame of the stored next stack is from
+    assert (episode[:, -1] == batch["obs"][wrong][:, -1, 0, 1].long() + 1).all()  # its newest: the next episode's
+    assert (episode[:, -1:] != episode[:, :-1]).any(dim=1).all()  # a stack across two episodes, which no env gives
+
+
 class NaiveFrames(FrameReplayBuffer):
     """The control: frames stored once, but stacks are the previous frames of the stream, episodes or not."""
 
-    def _gather(self, envs: np.ndarray, positions: np.ndarray, start: np.ndarray) -> np.ndarray:
-        return self._frames[envs[:, None], positions % self._length]
+    def _gather(self, envs: np.ndarray, positions: np.ndarray, start: np.ndarray, pinned: bool) -> torch.Tensor:
+        return torch.from_numpy(self._frames[envs[:, None], positions % self._length])
 
 
 def test_a_single_env_reset_by_hand() -> None:
@@ -206,6 +279,10 @@ REFUSALS = {
     "float action": (lambda row: {"action": np.zeros(3, np.float32)}, r"^action has dtype float32, the buffer stores"),
     "reward shape": (lambda row: {"reward": np.zeros(2, np.float32)}, r"^reward has shape \(2,\)"),
     "broken stream": (lambda row: {"obs": row["obs"] + 1}, r"^obs of env 0 does not continue its stream"),
+    "nan reward": (lambda row: {"reward": np.array([0.0, np.nan, 0.0])}, r"^reward is nan, the buffer stores finite"),
+    "1e300 reward": (lambda row: {"reward": np.array([0.0, 0.0, 1e300])},
+                     r"^reward holds 1e\+300, beyond the largest float32 \(3.40282e\+38\): it would be stored as inf$"),
+    "truncated of 2 envs": (lambda row: {"truncated": np.zeros(2, bool)}, r"^truncated has shape \(2,\)"),
     "unpadded start": (lambda row: {"obs": row["obs"] + (np.arange(3) == 1)[:, None, None, None] * (
         np.arange(STACK) == 0)[None, :, None, None]}, r"^obs of env 1 starts an episode but its earlier frames"),
 }  # fmt: skip
@@ -257,7 +334,7 @@ def test_a_buffer_told_the_wrong_autoreset_mode_refuses_the_row_instead_of_stori
     envs = vector_envs(3, mode)
     frames = FrameReplayBuffer(300, envs.single_observation_space, num_envs=3, autoreset_mode=other)
     obs, _ = envs.reset(seed=0)
-    with pytest.raises(ValueError, match=r"does not continue its stream|starts an episode but"):
+    with pytest.raises(ValueError, match=r"does not continue its stream|starts an episode but|ends an episode but"):
         for _ in range(100):
             next_obs, rewards, terminated, truncated, _ = envs.step(np.zeros(3, np.int64))
             frames.add(obs, np.zeros(3, np.int64), rewards, next_obs, terminated, truncated)
@@ -290,3 +367,59 @@ def test_sampling_before_a_transition_is_stored_is_an_error() -> None:
     assert len(frames) == 1 and frames.sample(3)["obs"].shape == (3, STACK, *FRAME)
     with pytest.raises(ValueError, match="batch_size must be >= 1"):
         frames.sample(0)
+
+
+def test_a_single_truncated_flag_is_every_envs() -> None:
+    """``truncated``'s default (``False``) and ``True`` with ``num_envs=4``: each env's row gets it; a row of flags of
+    another length is still refused (the control: only one flag broadcasts)."""
+    envs = gym.vector.SyncVectorEnv(
+        [lambda i=i: gym.wrappers.FrameStackObservation(Frames(i, length=20), STACK) for i in range(4)],
+        autoreset_mode=AutoresetMode.DISABLED,
+    )
+    frames = FrameReplayBuffer(80, envs.single_observation_space, num_envs=4, autoreset_mode="disabled")
+    obs, _ = envs.reset(seed=3)
+    zeros = np.zeros(4, np.int64)
+    for truncated in ((), (True,)):
+        next_obs, rewards, terminated, _, _ = envs.step(zeros)
+        frames.add(obs, zeros, rewards, next_obs, terminated, *truncated)
+        obs = next_obs
+    assert frames.stored == 8
+    assert frames._truncated[:, :2].tolist() == [[False, True]] * 4
+    with pytest.raises(ValueError, match=r"^truncated has shape \(3,\), the buffer stores \(\) per transition"):
+        frames.add(obs, zeros, rewards, envs.step(zeros)[0], terminated, np.zeros(3, bool))
+
+
+@pytest.mark.parametrize(("shape", "message"), [
+    ((84, 84, 4), r"^obs has shape \(84, 84, 4\), a channel-last layout \(height, width, stack\), as "
+                  r"stable-baselines3's VecFrameStack gives it: the buffer takes stacks first"),
+    ((210, 160, 3), r"^obs has shape \(210, 160, 3\), a channel-last layout"),
+    ((84, 84), r"^obs has shape \(84, 84\), not a stack of frames \(stack, \*frame\) of at most 32: an unstacked"),
+    ((84,), r"^obs must be a stack of frames, shape \(stack, \*frame\), got \(84,\)"),
+])  # fmt: skip
+def test_a_channel_last_or_unstacked_space_is_refused_at_construction_naming_the_layout(
+    shape: tuple[int, ...], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message) as error:
+        FrameReplayBuffer(1000, gym.spaces.Box(0, 255, shape, np.uint8))
+    assert "\n" not in str(error.value)
+    assert FrameReplayBuffer(1000, gym.spaces.Box(0, 255, (4, 84, 84), np.uint8)).stack == 4  # stacks first: taken
+
+
+def test_the_control_taken_as_84_frames_a_channel_last_stack_is_refused_only_at_the_first_add(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(frame_replay, "MAX_STACK", 1000)  # no limit on the frames of a stack: the layout goes unseen
+    frames = FrameReplayBuffer(1000, gym.spaces.Box(0, 255, (84, 84, 4), np.uint8))
+    assert (frames.stack, frames.frame_shape) == (84, (84, 4))
+    stack = np.random.default_rng(0).integers(0, 256, (84, 84, 4), dtype=np.uint8)  # 4 frames, channel-last
+    with pytest.raises(ValueError, match="starts an episode but its earlier frames are not the reset padding"):
+        frames.add(stack, 0, 0.0, stack, False)
+
+
+def test_sample_on_the_cpu_is_the_default_batch_and_a_bad_device_is_refused() -> None:
+    frames, *_ = play("next_step", steps=60, capacity=3 * 30)
+    default = frames.sample(32, generator=torch.Generator().manual_seed(4))
+    on_cpu = frames.sample(32, generator=torch.Generator().manual_seed(4), device=torch.device("cpu"))
+    assert all(on_cpu[k].device.type == "cpu" and torch.equal(on_cpu[k], default[k]) for k in default)
+    with pytest.raises(ValueError, match=r"^device must be a torch\.device or a device string"):
+        frames.sample(4, device="gpu0")

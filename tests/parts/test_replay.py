@@ -435,6 +435,29 @@ BAD_ADDS = {  # case -> (the buffer's arguments, the bad field, the error it rai
         {"obs": FRAME, "obs_dtype": np.uint8, "num_envs": 3, "autoreset_mode": "disabled"},
         {"obs": np.zeros((3, *FRAME), np.float32)},
         r"^obs has dtype float32, the buffer stores uint8: a float would be truncated"),
+    "a NaN reward": ({}, {"reward": float("nan")}, r"^reward is nan, the buffer stores finite rewards only$"),
+    "an inf numpy reward": ({}, {"reward": np.float32("inf")}, r"^reward is inf, the buffer stores finite rewards"),
+    "a float64 1e300 reward": (
+        {}, {"reward": 1e300}, r"^reward holds 1e\+300, beyond the largest float32 \(3.40282e\+38\): it would be"),
+    "float64 1e300 obs into float32": (
+        {}, {"obs": np.full(4, 1e300)}, r"^obs holds 1e\+300, beyond the largest float32 \(3.40282e\+38\): it would"),
+    "a float64 tensor 1e300 into float32": (
+        {}, {"next_obs": torch.full((4,), -1e300, dtype=torch.float64)},
+        r"^next_obs holds -1e\+300, beyond the largest"),
+    "int32 70000 into float16 frames": (
+        {"obs_dtype": np.float16}, {"obs": np.full(4, 70_000, np.int32)},
+        r"^obs holds 70000, beyond the largest float16"),
+    "vector add, a NaN among float64 rewards": (
+        {"num_envs": 3, "autoreset_mode": "disabled"}, {"reward": np.array([0.0, np.nan, 1.0])}, r"^reward is nan"),
+    "vector add, a float32 inf reward": (
+        {"num_envs": 3, "autoreset_mode": "disabled"}, {"reward": np.array([0, 0, np.inf], np.float32)},
+        r"^reward is inf"),
+    "vector add, 1e300 among float64 rewards": (
+        {"num_envs": 3, "autoreset_mode": "disabled"}, {"reward": np.array([1e300, 0.0, 0.0])},
+        r"^reward holds 1e\+300, beyond the largest float32"),
+    "vector add, truncated of 2 envs": (
+        {"num_envs": 3, "autoreset_mode": "disabled"}, {"truncated": np.zeros(2, bool)},
+        r"^truncated has shape \(2,\), the buffer stores \(\) per transition and 3 per add"),
     "vector add, one row short": (
         {"num_envs": 3, "autoreset_mode": "disabled"}, {"reward": np.zeros(2)},
         r"^reward has shape \(2,\), the buffer stores \(\) per transition and 3 per add: expected \(3,\)$"),
@@ -736,3 +759,48 @@ def test_autoreset_modes_by_any_name_and_a_single_env_reset_by_hand() -> None:
     one.add(*transition(0), final_obs=np.full(4, 9, np.float32))  # not an ending: next_obs is kept
     one.add(*transition(4), final_obs=np.full(4, 9, np.float32))  # an ending (i % 5 == 4)
     assert one.next_obs[:2, 0].tolist() == [1.0, 9.0] and one.terminated[:2].tolist() == [False, True]
+
+
+def test_values_the_stored_dtype_holds_are_stored_as_given_and_only_rewards_must_be_finite() -> None:
+    """float64 observations within float32's range are stored (rounded as numpy rounds them), and NaN or inf
+    observations as they are (they were not finite before: nothing overflowed); a reward must be finite."""
+    buffer = ReplayBuffer(4, (4,))
+    obs = np.array([1.5, -3.4e38, np.nan, np.inf])
+    buffer.add(obs, 1, 2.0, torch.tensor([0.1, 2, 3, 4], dtype=torch.float64), False)
+    assert buffer.obs[0, :2].tolist() == [1.5, np.float32(-3.4e38)] and buffer.obs[0, 2].isnan()
+    assert buffer.obs[0, 3] == float("inf") and buffer.next_obs[0, 0] == np.float32(0.1)
+    vector = ReplayBuffer(6, (4,), num_envs=3, autoreset_mode="disabled")
+    vector.add(np.zeros((3, 4), np.float32), np.zeros(3, np.int64), np.array([1.0, -2.0, 3.4e38]),
+               np.ones((3, 4), np.float32), np.zeros(3, bool))  # fmt: skip
+    assert vector.reward[:3].tolist() == [1.0, -2.0, np.float32(3.4e38)]
+
+
+def test_the_control_numpys_own_cast_stores_1e300_as_inf_with_only_a_warning() -> None:
+    """What a write without the check does (stable-baselines3's ``self.rewards[self.pos] = np.array(reward)``): the
+    overflow becomes inf, and NaN goes in without a word."""
+    rewards = np.zeros(2, np.float32)
+    with pytest.warns(RuntimeWarning, match="overflow"):
+        rewards[0] = np.float64(1e300)
+    rewards[1] = np.nan
+    assert np.isinf(rewards[0]) and np.isnan(rewards[1])
+
+
+def test_a_single_truncated_flag_is_every_envs() -> None:
+    buffer = ReplayBuffer(6, (4,), num_envs=3, autoreset_mode="disabled")
+    obs, actions, rewards, flags = np.zeros((3, 4), np.float32), np.zeros(3, np.int64), np.ones(3), np.zeros(3, bool)
+    buffer.add(obs, actions, rewards, obs, flags)  # truncated's default, False, is each env's
+    buffer.add(obs, actions, rewards, obs, flags, True)
+    buffer.add(obs, actions, rewards, obs, flags, np.bool_(False))
+    assert buffer.truncated.tolist() == [False, False, False, True, True, True] and buffer.pos == 3
+    assert buffer.terminated.tolist() == [False] * 6
+
+
+def test_sample_on_the_cpu_is_the_default_batch_and_a_bad_device_is_refused() -> None:
+    buffer = ReplayBuffer(100, (4,))
+    for i in range(50):
+        buffer.add(*transition(i))
+    default = buffer.sample(16, generator=torch.Generator().manual_seed(2))
+    on_cpu = buffer.sample(16, generator=torch.Generator().manual_seed(2), device="cpu")
+    assert all(on_cpu[k].device.type == "cpu" and torch.equal(on_cpu[k], default[k]) for k in default)
+    with pytest.raises(ValueError, match=r"^device must be a torch\.device or a device string"):
+        buffer.sample(4, device="gpu0")

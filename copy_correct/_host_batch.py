@@ -1,0 +1,39 @@
+"""Where a replay buffer's ``sample`` gathers a batch on the host, and how the batch reaches the device asked for.
+
+For a CUDA device the batch is gathered into pinned (page-locked) host memory and copied with ``non_blocking=True``: a
+DMA the host does not wait for, ordered on the current stream before any kernel that reads the batch (stable-baselines3
+copies from pageable memory, a copy the host waits for). Pinned blocks come from torch's caching host allocator, which
+hands a block out again only once the copies that read it have finished (it records an event on the copy's stream), so
+a batch gathered into a recycled block never overwrites one still in flight. For any other device the batch is gathered
+into ordinary (numpy) memory and, off the CPU, copied with ``.to(device)``.
+
+Copy contract: ``empty`` allocates new host memory on every call (pinned: from torch's cache); ``moved`` makes one copy
+of each tensor on the device (none for the CPU) and keeps no reference to the host tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["empty", "moved"]
+
+
+def empty(shape: Sequence[int], dtype: np.dtype, pinned: bool) -> tuple[np.ndarray, torch.Tensor]:
+    """New host memory for one field of a batch, as a numpy array and a tensor over the same bytes; ``pinned``:
+    page-locked, for a copy to a CUDA device."""
+    if pinned:
+        tensor = torch.empty(tuple(shape), dtype=torch.from_numpy(np.empty(0, dtype)).dtype, pin_memory=True)
+        return tensor.numpy(), tensor
+    array = np.empty(tuple(shape), dtype=dtype)
+    return array, torch.from_numpy(array)
+
+
+def moved(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """``batch`` on ``device``: as it is on the CPU, else each tensor copied there, without a wait on the host when it
+    comes from pinned memory (``non_blocking=True``; the stream orders the copy before the kernels that read it)."""
+    if device.type == "cpu":
+        return {name: tensor.cpu() for name, tensor in batch.items()}  # from a device buffer: a copy the host waits for
+    return {name: tensor.to(device, non_blocking=True) for name, tensor in batch.items()}
