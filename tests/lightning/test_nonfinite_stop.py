@@ -123,13 +123,35 @@ def test_every_n_steps_is_checked() -> None:
         NonFiniteStop(every_n_steps="5")
 
 
+class Stub:
+    """The trainer as the hooks read it: one process, at global step 0 of epoch 0."""
+
+    global_step, current_epoch, world_size, sanity_checking = 0, 0, 1, False
+
+
+def test_a_loss_of_another_dtype_reads_the_earlier_ones_first_and_keeps_its_batch() -> None:
+    stop, module = NonFiniteStop(every_n_steps=10), nn.Linear(2, 1)
+    for batch in range(3):
+        stop.on_train_batch_end(Stub(), module, {"loss": torch.tensor(1.0)}, None, batch)
+    stop.on_train_batch_end(Stub(), module, torch.tensor(math.nan, dtype=torch.float64), None, 3)
+    assert stop._losses is not None and stop._losses.dtype == torch.float64
+    with pytest.raises(NonFiniteTraining, match=r"^the training loss was NaN or Inf at epoch 0, batch 3 \(global"):
+        stop.check(Stub(), module)
+
+
+def test_weights_found_before_the_first_batch_say_so() -> None:
+    module = nn.Linear(2, 1)
+    with torch.no_grad():
+        module.bias.fill_(math.inf)
+    with pytest.raises(NonFiniteTraining, match=r"^the weights hold NaN or Inf at the start of training, before its"):
+        NonFiniteStop().check(Stub(), module)
+    NonFiniteStop().check(Stub(), nn.Linear(2, 1))  # the control: finite weights pass
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA is not available")
 def test_a_batch_between_checks_does_not_sync_the_device() -> None:
     """On CUDA, the per-batch flagging reads nothing back: it runs in sync-debug mode "error"."""
-
-    class Stub:
-        global_step, current_epoch, world_size = 0, 0, 1
 
     stop, loss = NonFiniteStop(every_n_steps=1000), torch.tensor(1.0, device="cuda")
     stop.on_train_batch_end(Stub(), None, {"loss": loss}, None, 0)  # the first batch makes the 0-dim flags
