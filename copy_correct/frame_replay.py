@@ -285,9 +285,9 @@ class FrameReplayBuffer:
         )  # fmt: skip
 
     def _rewards(self, reward: Any) -> np.ndarray:
-        """``reward`` checked: rewards as a vector env gives them (float64) cost a dtype lookup and a comparison each
-        (``finite_rewards``); anything else, or a reward that is not finite, takes ``_checked``'s way, which refuses
-        it naming the field."""
+        """``reward`` checked: rewards as a vector env gives them (float64) cost a dtype lookup and one dot product
+        (``finite_rewards``); anything else, or rewards that fail that look, take ``_checked``'s way, which looks at
+        each value and refuses one that is not finite or beyond float32, naming the field."""
         if (
             type(reward) is np.ndarray
             and reward.shape == self._step
