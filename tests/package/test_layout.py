@@ -13,6 +13,8 @@ re-exports. The controls write a small tree that breaks each rule in each way, a
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,10 @@ PROBES = f"{PACKAGE}.probes"
 # The adapters that are a probe's Lightning half: they import their probe, as a probe's own tests do.
 PROBE_HALVES = {f"{LIGHTNING}.step_probe", f"{LIGHTNING}.graph_guard"}
 TENSOR_THIRD_PARTY = {"torch", "numpy"}
+# Optional packages a module imports only when a function of it is called, returning without them (ImportError):
+# no dependency of its layer. checked_load.hyperparameter_classes: the allowlist for a Lightning checkpoint's DictConfig
+# hyperparameters (a checkpoint that holds them was written where OmegaConf is installed).
+LAZY_OPTIONAL = {f"{PACKAGE}.checked_load": {"omegaconf"}}
 FRAMEWORKS = {"lightning", "pytorch_lightning", "torchmetrics"}
 
 
@@ -52,7 +58,8 @@ def reached(tree: SourceTree, module: str) -> set[str]:
 
 def third_party(tree: SourceTree, module: str) -> set[str]:
     """The third-party packages ``module`` and every first-party module it reaches import."""
-    return set().union(*(tree.needs(m).third_party for m in {module} | reached(tree, module)))
+    modules = {module} | reached(tree, module)
+    return set().union(*(tree.needs(m).third_party - LAZY_OPTIONAL.get(m, set()) for m in modules))
 
 
 def problems(tree: SourceTree) -> dict[str, list[str]]:
@@ -73,6 +80,18 @@ def problems(tree: SourceTree) -> dict[str, list[str]]:
         if bad:
             found[module] = bad
     return found
+
+
+def test_a_lazy_optional_import_is_imported_only_when_called_and_not_needed() -> None:
+    """What ``LAZY_OPTIONAL`` lets through: importing the module imports no OmegaConf, and without OmegaConf the call
+    returns an empty allowlist (the control: the call with OmegaConf imports it)."""
+    code = (
+        "import sys; import copy_correct.checked_load as c; assert 'omegaconf' not in sys.modules; "
+        "assert c.hyperparameter_classes() and 'omegaconf' in sys.modules; "
+        "sys.modules['omegaconf'] = None; assert c.hyperparameter_classes() == ()"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_each_layer_imports_only_what_it_may() -> None:
