@@ -26,11 +26,14 @@ working directory (an earlier run's directory is left as it is).
 
 A run whose training loss or weights turn NaN or Inf (a finite ``model.lr=1e30``) stops with status 3 and one line
 naming the step (``NonFiniteStop``, ``callbacks.nonfinite_stop``), before any checkpoint holds them: its
-``checkpoints/`` keep the last good state.
+``checkpoints/`` keep the last good state. A full disk stops the run with status 2 and one line naming the path, the
+bytes and the space free (``copy_correct.disk_full``): the last good checkpoint is kept, the temporary file removed,
+and the files that a refused write left empty (Lightning's ``hparams.yaml``, Hydra's log) are removed.
 """
 
 from __future__ import annotations
 
+import logging
 import sys
 from typing import Any, NoReturn
 
@@ -45,6 +48,7 @@ from recipes.launch import (
     discard_refused_run_dir,
     override_error,
     recipe_argument_error,
+    remove_empty_files,
 )
 
 
@@ -82,6 +86,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         line = disk_full_line(err, cfg.paths.output_dir)
         if line is None:
             raise
+        if trainer.is_global_zero:
+            remove_empty_files(cfg.paths.output_dir)  # hparams.yaml, train.log: begun, nothing written
         refuse(line, show=trainer.is_global_zero)
     except NonFiniteTraining as err:  # NonFiniteStop: a NaN or Inf loss or weight, stopped before a checkpoint held it
         if trainer.is_global_zero:
@@ -99,6 +105,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> float | None:
+    # A log record that cannot be written (a full disk) is dropped, not a traceback on stderr for each: the run's own
+    # line names the disk.
+    logging.raiseExceptions = False
     if cfg.get("recipe") is None:
         refuse(recipe_argument_error([]) or "no recipe given")
     metrics = train(cfg)

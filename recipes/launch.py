@@ -9,6 +9,7 @@ with status 2 (``docs/guides/bad-input.md``).
 from __future__ import annotations
 
 import difflib
+import os
 import re
 import shutil
 from pathlib import Path
@@ -25,6 +26,7 @@ __all__ = [
     "missing_keys",
     "override_error",
     "recipe_argument_error",
+    "remove_empty_files",
 ]
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
@@ -189,3 +191,14 @@ def discard_refused_run_dir() -> Path | None:
             break
         parent.rmdir()
     return run_dir
+
+
+def remove_empty_files(run_dir: str | os.PathLike[str]) -> list[Path]:
+    """Remove the 0-byte files under ``run_dir`` (what writes that found the disk full left: Lightning's
+    ``hparams.yaml``, Hydra's job log) and return them; files with bytes, checkpoints among them, stay."""
+    removed = []
+    for path in sorted(Path(run_dir).rglob("*")):
+        if path.is_file() and not path.is_symlink() and path.stat().st_size == 0:
+            path.unlink()
+            removed.append(path)
+    return removed

@@ -139,7 +139,9 @@ if writer == "checkpoint":
     _atomic_save.open = lambda p, mode: FillingFile(p, mode, room)
 else:  # Lightning's CSVLogger, whose hparams.yaml is the first file a run writes after Hydra's
     import lightning.pytorch.loggers.csv_logs as csv_logs
-    def full(*args, **kwargs):
+    def full(config_yaml, *args, **kwargs):  # as a full disk does it: the file made, nothing written into it
+        open(config_yaml, "w").close()
+        print("made", config_yaml)
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     csv_logs.save_hparams_to_yaml = full
 sys.argv = ["train.py", *sys.argv[3:]]
@@ -167,3 +169,6 @@ def test_train_py_stops_with_one_error_line_and_a_non_zero_exit(writer: str, say
     assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
     assert errors[0].startswith(says.format(run=run)) and "bytes free" in errors[0], errors[0]
     assert not list(tmp_path.rglob(".*.tmp-*"))  # no temporary file left
+    # No 0-byte file either: the logger's hparams.yaml, made and left empty (the control: it was made), is removed.
+    assert writer == "checkpoint" or f"made {run}" in result.stdout, result.stdout[-2000:]
+    assert not [p for p in run.rglob("*") if p.is_file() and p.stat().st_size == 0]
