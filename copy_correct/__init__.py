@@ -25,11 +25,17 @@ Tensor parts:
     sigma_rel_to_gamma   EDM2's power-function exponent gamma of a relative standard deviation sigma_rel
     gamma_to_sigma_rel   the relative standard deviation of the power function of exponent gamma
     CheckpointMismatch   raised while restoring a checkpoint that does not fit the run (train.py: one line, exit 2)
+    load_checked         torch.load(weights_only=True) of a file after its digests are checked: nothing in it runs
+    verify_checkpoint    a checkpoint file's or sharded directory's digests checked, nothing loaded
+    DamagedFile          a file whose bytes do not match the digests written with it, or not torch.save's at all
+    UnsafeFile           a file whose pickle names what a weights_only load refuses (loading it could run code)
 """
 
+from copy_correct.checked_load import load_checked, verify_checkpoint
 from copy_correct.device_loader import DeviceDataLoader, make_loader
 from copy_correct.ema import EMA
 from copy_correct.errors import CheckpointMismatch
+from copy_correct.file_errors import DamagedFile, UnsafeFile
 from copy_correct.frame_replay import FrameReplayBuffer
 from copy_correct.freeze import frozen
 from copy_correct.grad_average import GradientAverager
@@ -43,21 +49,25 @@ from copy_correct.target import hard_update, make_target, skipped_updates, soft_
 __all__ = [
     "EMA",
     "CheckpointMismatch",
+    "DamagedFile",
     "DeviceDataLoader",
     "DevicePrefetcher",
     "FrameReplayBuffer",
     "GradientAverager",
     "PowerEMA",
     "ReplayBuffer",
+    "UnsafeFile",
     "frozen",
     "gamma_to_sigma_rel",
     "hard_update",
+    "load_checked",
     "make_loader",
     "make_target",
     "map_tensors",
     "sigma_rel_to_gamma",
     "skipped_updates",
     "soft_update",
+    "verify_checkpoint",
     "solve_coefficients",
     "synthesize",
 ]

@@ -187,7 +187,7 @@ def discard_refused_run_dir() -> Path | None:
     # The parents that are empty now (``outputs/RECIPE/`` of a first run), up to the working directory, never above.
     cwd = Path(hydra_cfg.runtime.cwd).resolve()
     for parent in run_dir.resolve().parents:
-        if parent == cwd or not parent.is_relative_to(cwd) or any(parent.iterdir()):
+        if parent == cwd or not parent.is_relative_to(cwd) or any(parent.iterdir()) or parent.is_mount():
             break
         parent.rmdir()
     return run_dir
