@@ -50,7 +50,9 @@ def test_each_rank_keeps_the_shadow_of_its_own_shards_only(ranks: list[dict]) ->
                      if name not in BUFFERS)  # fmt: skip
         assert own <= padded  # full / N plus FSDP2's padding, at most
         shards.append(own)
-        assert ema["control_shadow_bytes"] == FULL_PARAMETER_BYTES  # the control: the full shadow on every rank
+        # The control: the full shadow on every rank. Its gathers (DTensor.full_tensor over gloo) now and then keep a
+        # scalar of their own alive past the block (3220 bytes once in a CI rehearsal, against 3212): a bound, not ==.
+        assert FULL_PARAMETER_BYTES <= ema["control_shadow_bytes"] <= FULL_PARAMETER_BYTES + 64
     assert sum(shards) == FULL_PARAMETER_BYTES  # together the ranks hold one shadow, nothing twice
     assert ranks[1]["ema"]["local_shapes"]["5.weight"] == (0, 5)  # a rank can hold an empty shard
 
