@@ -34,8 +34,7 @@ Tensor parts:
 from copy_correct.checked_load import load_checked, verify_checkpoint
 from copy_correct.device_loader import DeviceDataLoader, make_loader
 from copy_correct.ema import EMA
-from copy_correct.errors import CheckpointMismatch
-from copy_correct.file_errors import DamagedFile, UnsafeFile
+from copy_correct.errors import CheckpointMismatch, DamagedFile, UnsafeFile
 from copy_correct.frame_replay import FrameReplayBuffer
 from copy_correct.freeze import frozen
 from copy_correct.grad_average import GradientAverager

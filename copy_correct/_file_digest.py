@@ -43,7 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import IO, Any
 
-from copy_correct.file_errors import DamagedFile
+from copy_correct.errors import DamagedFile
 
 __all__ = ["DamagedFile", "DigestWriter", "seal", "torch_crc32", "verify_file"]
 

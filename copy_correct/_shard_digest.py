@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from copy_correct._file_digest import verify_file
-from copy_correct.file_errors import DamagedFile, UnsafeFile
+from copy_correct.errors import DamagedFile, UnsafeFile
 
 __all__ = ["DIGESTS", "verify_directory", "write_digests"]
 

@@ -38,7 +38,7 @@ import torch
 
 from copy_correct._file_digest import verify_file
 from copy_correct._shard_digest import verify_directory
-from copy_correct.file_errors import DamagedFile, UnsafeFile
+from copy_correct.errors import DamagedFile, UnsafeFile
 
 __all__ = ["DamagedFile", "UnsafeFile", "hyperparameter_classes", "load_checked", "verify_checkpoint"]
 
