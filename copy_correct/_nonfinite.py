@@ -44,6 +44,7 @@ import torch
 
 from copy_correct._flat import flat_views
 from copy_correct._torch_internals import increment_versions
+from copy_correct.decay_schedule import DecaySchedule
 
 __all__ = ["NonFiniteGuard", "ProfilesGuard", "refuse_nonfinite"]
 
@@ -116,19 +117,20 @@ class NonFiniteGuard:
         self._one = torch.ones((), dtype=torch.float64, device=home)
         self._minus_zero = torch.tensor(-0.0, dtype=torch.float64, device=home)
         self._weight = torch.zeros((), dtype=torch.float64, device=home)
+        self._scratch = torch.zeros((), dtype=torch.float64, device=home)
 
     def staging(self, index: int) -> list[torch.Tensor]:
         """Where group ``index``'s live values go before ``update``: views of its flat staging."""
         return self.groups[index].views
 
-    def update(self, copy: bool, decay: float, warmup_power: float | None) -> None:
+    def update(self, copy: bool, schedule: DecaySchedule) -> None:
         """Average (``copy``: copy) the staged live values into the averages, unless any of them is NaN or Inf.
 
-        The averaging weight is ``1 - decay``, or with a warm-up (``warmup_power``) ``EMA.decay_at``'s ramp at the
-        position ``applied``: ``1 - min(decay, 1 - (1 + applied) ** -warmup_power)``."""
+        The averaging weight is ``1 - schedule.at(applied)``, computed on the device from the count of applied
+        updates (``DecaySchedule.write_weight``: the host's operations, in its order and precision)."""
         self._check()
         if not copy:
-            self._set_weight(decay, warmup_power)
+            schedule.write_weight(self.applied, self._weight, self._scratch, self._one)
             torch.where(self._good, self._weight, self._minus_zero, out=self._weight)
         for group in self.groups:
             if group.average and not copy:
@@ -154,20 +156,6 @@ class NonFiniteGuard:
         torch.sub(self._one, self._good64, out=self._bad64)
         for group in self.groups:
             group.keep.copy_(self._good, non_blocking=True)
-
-    def _set_weight(self, decay: float, warmup_power: float | None) -> None:
-        """``self._weight``: ``EMA.decay_at``'s operations, in its order and precision (float64), so the weight is the
-        host's (on CPU bit for bit; a CUDA ``pow`` may differ from the host's in the last bit of a double, which the
-        rounding to float32 removes but for a tie)."""
-        weight = self._weight
-        if warmup_power is None:
-            weight.fill_(1.0 - decay)
-            return
-        torch.add(self.applied, self._one, out=weight)  # 1 + k
-        torch.pow(weight, -warmup_power, out=weight)
-        torch.sub(self._one, weight, out=weight)
-        weight.clamp_max_(decay)  # min(decay, 1 - (1 + k) ** -power)
-        torch.sub(self._one, weight, out=weight)
 
     def _lerp(self, group: _Staged) -> None:
         group.weight.copy_(self._weight, non_blocking=True)  # double to the average's dtype, as lerp_ rounds a scalar

@@ -95,14 +95,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from copy_correct._average_module import average_module
 from copy_correct._checks import device as checked_device
-from copy_correct._checks import flag, floating_dtype, integer, module, number
+from copy_correct._checks import flag, floating_dtype, integer, module
 from copy_correct._flat import flat_views
 from copy_correct._foreach_writes import foreach_copy_, foreach_lerp_
+from copy_correct._model_changes import Entry, ModelWatch, changes
 from copy_correct._module_tensors import TensorRefs, state_entries, unwrap
 from copy_correct._nonfinite import NonFiniteGuard, refuse_nonfinite
+from copy_correct._peer_calls import EMA_NAMES, CallCount, missing, not_callable
 from copy_correct._sharding import from_local, is_sharded, layout, local, local_part, reshard
 from copy_correct._torch_internals import set_grad_enabled
+from copy_correct.decay_schedule import DecaySchedule
 
 __all__ = ["EMA"]
 
@@ -163,8 +167,11 @@ class EMA:
         model: nn.Module,
         decay: float = 0.999,
         *,
-        warmup: bool = True,
+        warmup: bool | str = True,
         warmup_power: float = 2 / 3,
+        warmup_gamma: float = 1.0,
+        warmup_offset: float = 0.0,
+        min_decay: float = 0.0,
         update_every: int = 1,
         start_step: int = 0,
         include_buffers: bool = True,
@@ -173,16 +180,16 @@ class EMA:
         skip_nonfinite: bool = False,
     ) -> None:
         module("model", model)
-        self.decay = number("decay", decay, "[0, 1)")
-        self.warmup = flag("warmup", warmup)
-        self.warmup_power = number("warmup_power", warmup_power, "(0, inf)")
+        self.schedule = DecaySchedule(decay, warmup, warmup_power, warmup_gamma, warmup_offset, min_decay)
+        self.decay = self.schedule.decay
+        self.warmup = self.schedule.warmup
         self.update_every = integer("update_every", update_every, 1)
         self.start_step = integer("start_step", start_step, 0)
         self.include_buffers = flag("include_buffers", include_buffers)
         self.shadow_dtype = floating_dtype("shadow_dtype", shadow_dtype)
         self.device = checked_device("device", device) if device is not None else None
         self.skip_nonfinite = flag("skip_nonfinite", skip_nonfinite)
-        self.step = 0  # calls of update()
+        self._step = 0  # calls of update(): ``step``
         self.num_updates = 0  # averaging updates made (the warm-up's k; under skip_nonfinite, skipped ones too)
         self._shadow: dict[str, torch.Tensor] = {}
         self._groups: list[_Group] = []
@@ -200,8 +207,11 @@ class EMA:
                 "the ranks could decide differently and leave the average half updated"
             )
         self._swap: _Swap | None = None  # set while average_weights holds the average in the model
+        self._module: nn.Module | None = None  # the average as a module, made on the first read of ``module``
+        self._watch = ModelWatch()
         self._share_checked = False  # initial_share is checked once, when the average is first used
         self._shadow, self._groups = self._build(tracked)
+        self._entries = self._entries_of(tracked)
         if not any(group.average for group in self._groups):
             buffers = "parameters or buffers" if include_buffers else "parameters (include_buffers=False)"
             raise ValueError(f"model ({type(tracked).__name__}) has no floating {buffers}: nothing to average")
@@ -259,6 +269,23 @@ class EMA:
                 )
         return shadows, list(groups.values())
 
+    def _entries_of(self, model: nn.Module) -> list[Entry]:
+        """The model's tensors as the shadow pairs them now, for ``_check_model``."""
+        return [
+            Entry(name, tensor if owner is None else None, tensor.device, tensor.dtype, self._shadow[name].shape)
+            for name, tensor, owner in state_entries(model, self.include_buffers)
+        ]
+
+    def _check_model(self, model: nn.Module) -> None:
+        """``RuntimeError`` naming the tensor when ``model`` is no longer what the shadow pairs (a tensor replaced,
+        added, removed, reshaped or moved): a walk over its ``state_dict`` names, no tensor read."""
+        if self.sharded:
+            reshard(model)  # the sharded parameters registered, not gathered copies
+        change = changes(model, self.include_buffers, self._entries)
+        if change is not None:
+            raise RuntimeError(f"EMA: {change}")
+        self._watch.seen()
+
     def _shadow_dtype_for(self, dtype: torch.dtype) -> torch.dtype:
         if self.shadow_dtype is not None:
             return self.shadow_dtype
@@ -285,9 +312,48 @@ class EMA:
     # -- copies ---------------------------------------------------------------------------------------
 
     @property
-    def model(self) -> nn.Module | None:
-        """The module whose weights are averaged (unwrapped); ``None`` in a copy until it is given one."""
+    def live_model(self) -> nn.Module | None:
+        """The module whose weights are averaged (unwrapped): the live weights, not the average (that is ``module``);
+        ``None`` in a copy until it is given one."""
         return self._model
+
+    @property
+    def step(self) -> int:
+        """How many times ``update`` was called (an ``int``; calling it as diffusers' ``EMAModel.step(parameters)``
+        raises, naming ``update``)."""
+        return CallCount(self._step)
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._step = int(value)
+
+    def __getattr__(self, name: str) -> Any:
+        """Only for an attribute the EMA lacks: a peer's name (timm, diffusers, ema-pytorch) raises naming ours."""
+        if name.startswith("__"):
+            raise AttributeError(name)
+        missing(self, name, EMA_NAMES)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """timm's and ema-pytorch's ``ema(x)`` runs their copy of the model; this EMA keeps none, and says so."""
+        not_callable(self, EMA_NAMES)
+
+    @property
+    def module(self) -> nn.Module:
+        """The average as a module of the model's class, in eval mode, for evaluation, ``state_dict``,
+        ``save_pretrained`` and timm's ``load_checkpoint`` / ``CheckpointSaver``: its parameters and averaged buffers
+        are the shadow's own storage (no copy; ``copy_correct._average_module``), so it holds the average at all times
+        and a write into it is a write into the average. Its floating tensors have the shadow's dtype (float32 for a
+        float16/bfloat16 model). Made on first use; a copy with no model and a sharded EMA have none."""
+        tracked = self._tracked(None)
+        if self.sharded:
+            raise RuntimeError(
+                "EMA.module would deep-copy the model's structure, which FSDP2 forbids for a sharded one: load "
+                "ema.full_state_dict() (gathered once) into an unsharded instance of the model instead"
+            )
+        self._check_model(tracked)
+        if self._module is None:
+            self._module = average_module(tracked, self._shadow, self.include_buffers)
+        return self._module
 
     def track(self, model: nn.Module) -> None:
         """Give a copy (``pickle``, ``copy.deepcopy``) the model to average from now on; the model it tracks already
@@ -304,6 +370,7 @@ class EMA:
                 "load_state_dict the copy's state_dict() into it"
             )
         self._shadow, self._groups = self._build(tracked, self._shadow)
+        self._entries = self._entries_of(tracked)
         self._model = tracked
         self._arm()
 
@@ -323,7 +390,7 @@ class EMA:
                 "an EMA of a sharded (FSDP2) model cannot be pickled or copied: save its state_dict() with "
                 "torch.distributed.checkpoint and load it into EMA(model) of the sharded model"
             )
-        return {**self.__dict__, "_model": None, "_groups": [], "_swap": None, "_guard": None}
+        return {**self.__dict__, "_model": None, "_groups": [], "_swap": None, "_guard": None, "_module": None}
 
     @staticmethod
     def _checked_lives(group: _Group) -> list[torch.Tensor]:
@@ -343,11 +410,10 @@ class EMA:
     # -- the update -----------------------------------------------------------------------------------
 
     def decay_at(self, k: int) -> float:
-        """The decay used for averaging update number ``k`` (0-based), warm-up included. ``k`` is ``num_updates``;
-        under ``skip_nonfinite`` it is the number of updates applied, counted and used on the device."""
-        if not self.warmup:
-            return self.decay
-        return min(self.decay, 1.0 - (1.0 + k) ** -self.warmup_power)
+        """The decay used for averaging update number ``k`` (0-based), warm-up included (``schedule.at``). ``k`` is
+        ``num_updates``; under ``skip_nonfinite`` it is the number of updates applied, counted and used on the
+        device."""
+        return self.schedule.at(k)
 
     @property
     def initial_share(self) -> float:
@@ -358,7 +424,7 @@ class EMA:
         made)."""
         if self.num_updates == 0:
             return 1.0
-        return 0.0 if self.warmup else self.decay**self.num_updates  # the ramp's decay_at(0) is 0
+        return 0.0 if self.warmup != "none" else self.decay**self.num_updates  # a warm-up's decay_at(0) is 0
 
     def _check_share(self, stacklevel: int) -> None:
         """Warn, once, when the average is first used while it is still mostly the weights it started from;
@@ -376,22 +442,33 @@ class EMA:
                 stacklevel=stacklevel + 1,
             )
 
-    def update(self, model: nn.Module | None = None) -> None:
+    def update(self, model: nn.Module | None = None, *, step: int | None = None) -> None:
         """One step: average the model into the shadow (or copy it, before ``start_step``).
 
         In place, under ``no_grad``, no allocation, no host synchronisation (shadow beside the model).
         ``model`` defaults to the one given at construction (passing it wrapped in DDP or
-        ``torch.compile`` is fine). Inside ``average_weights`` it raises. Under ``skip_nonfinite``, live values holding
-        a NaN or an Inf leave the shadow as it was, decided on the device.
+        ``torch.compile`` is fine). Inside ``average_weights`` it raises, and so it does when the model changed since
+        the EMA was built (``_check_model``, run when any module registered a tensor since the last check). Under
+        ``skip_nonfinite``, live values holding a NaN or an Inf leave the shadow as it was, decided on the device.
+        ``step`` (timm's ``update(model, step=n)``) is accepted when it is this call's number, ``ema.step + 1``: the
+        EMA counts its own calls, and the schedule (``peer_schedules.timm_schedule``) reads them.
         """
         if self._swap is not None:
             raise RuntimeError(
-                "EMA.update inside EMA.average_weights: the model holds the average and the shadow the live weights "
-                "there, so this would average the wrong way and the live weights would not come back; update after "
+                "EMA.update inside EMA.average_weights: the model holds a copy of the average there, which the live "
+                "weights replace when the block ends, so this would average the average into itself; update after "
                 "the block ends"
             )
-        self._tracked(model)
-        step, self.step = self.step, self.step + 1
+        tracked = self._tracked(model)
+        if self._watch.stale():
+            self._check_model(tracked)
+        if step is not None and step != self._step + 1:
+            raise ValueError(
+                f"EMA.update(step={step!r}): this is update call {self._step + 1} of this EMA, which counts its own "
+                "calls (ema.step); restore a resumed count with load_state_dict or load_average(..., step=n), or drop "
+                "step="
+            )
+        step, self._step = self._step, self._step + 1
         copy = step < self.start_step
         if not copy and (step - self.start_step) % self.update_every:
             return
@@ -401,7 +478,7 @@ class EMA:
             if self._guard is not None:
                 for index, group in enumerate(self._groups):
                     foreach_copy_(self._guard.staging(index), self._checked_lives(group))
-                self._guard.update(copy, self.decay, self.warmup_power if self.warmup else None)
+                self._guard.update(copy, self.schedule)
             else:
                 weight = 1.0 - self.decay_at(self.num_updates)
                 for group in self._groups:
@@ -444,9 +521,11 @@ class EMA:
         (a fresh instance for export, say) is written through its ``state_dict(keep_vars=True)`` tensors.
         Inside ``average_weights``, copying into the averaged model raises; into another model works.
         """
+        target = unwrap(model) if model is not None else None  # a TypeError for anything but a module, first
         self._check_share(stacklevel=2)
-        if model is None or unwrap(model) is self._model:
+        if target is None or target is self._model:
             tracked = self._tracked(model)
+            self._check_model(tracked)
             if self._swap is not None:
                 raise RuntimeError(
                     "EMA.copy_to(model) inside EMA.average_weights: the model holds the average already and gets its "
@@ -482,6 +561,7 @@ class EMA:
                 "ema.full_state_dict() (gathered once) into an unsharded instance of the model instead"
             )
         tracked = self._tracked(None)
+        self._check_model(tracked)
         self._check_share(stacklevel=2)
         exported = deepcopy(tracked)
         self.copy_to(exported)
@@ -521,6 +601,7 @@ class EMA:
         if self._swap is not None:
             yield target
             return
+        self._check_model(tracked)
         self._check_share(stacklevel=3)  # through contextlib's __enter__
         swap = self._swap_in(model)
         self._swap = swap
@@ -574,20 +655,40 @@ class EMA:
         """Counters and the average (``shadow``'s tensors, aliased like ``Module.state_dict``: save it before the
         next update, or inside the ``average_weights`` block it was taken in); loads with ``weights_only=True``.
         Sharded: the tensors are ``DTensor``s, and ``layout`` says how each is spread. Under ``skip_nonfinite`` also
-        ``skipped`` and ``applied_updates`` (the warm-up's position), read from the device."""
-        state = {"decay": self.decay, "step": self.step, "num_updates": self.num_updates, "shadow": dict(self.shadow)}
+        ``skipped`` and ``applied_updates`` (the warm-up's position), read from the device. ``schedule`` holds every
+        setting that decides when and how much the average moves (``schedule_state``), which ``load_state_dict``
+        compares."""
+        state = {
+            "decay": self.decay,
+            "schedule": self.schedule_state(),
+            "step": self._step,
+            "num_updates": self.num_updates,
+            "shadow": dict(self.shadow),
+        }
         if self.skip_nonfinite:  # read from the device: a sync per save
             state |= {"skipped": self.skipped, "applied_updates": int(self._applied)}
         if self.sharded:
             state["layout"] = self.layout()
         return state
 
+    def schedule_state(self) -> dict[str, Any]:
+        """The decay schedule's settings and ``update_every`` and ``start_step``, as plain numbers and strings."""
+        return self.schedule.state() | {"update_every": self.update_every, "start_step": self.start_step}
+
     def check_state(self, state: Mapping[str, Any]) -> None:
         """Raise ``ValueError``, naming the tensor and both sides, unless ``state`` fits this EMA: the same names,
         spread over the ranks as the model is (``layout``), and the same (full) shapes."""
+        if not isinstance(state, Mapping):
+            raise TypeError(f"EMA state must be a mapping (EMA.state_dict()), got {type(state).__name__}")
         saved = state.get("shadow")
         if not isinstance(saved, Mapping):
-            raise ValueError("EMA state must hold a 'shadow' mapping of tensor names to tensors")
+            if state and all(isinstance(v, torch.Tensor) for v in state.values()):
+                raise ValueError(
+                    "this is a model's state_dict (an average saved as weights: timm's state_dict_ema, an export), not "
+                    "an EMA state, and it holds no counters: load it with ema.load_average(weights, step=n), n the "
+                    "update calls it stands for (copy_correct.peer_states reads diffusers' and ema-pytorch's states)"
+                )
+            raise ValueError("EMA state must hold a 'shadow' mapping of tensor names to tensors (EMA.state_dict())")
         missing = sorted(set(self.shadow) - set(saved))
         unexpected = sorted(set(saved) - set(self.shadow))
         if missing or unexpected:
@@ -607,12 +708,32 @@ class EMA:
                     f"{tuple(self.shadow[name].shape)}"
                 )
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], *, new_schedule: bool = False) -> None:
         """Copy a saved average and counters in place (into ``shadow``'s tensors), after ``check_state``. A sharded
         EMA takes ``DTensor``s or full tensors, of which each rank copies its own part (nothing is sent). Inside
         ``average_weights`` the model gets the loaded average too, for the rest of the block. A state without
-        ``skipped`` and ``applied_updates`` (saved without ``skip_nonfinite``) counts none skipped."""
+        ``skipped`` and ``applied_updates`` (saved without ``skip_nonfinite``) counts none skipped.
+
+        Never an average thrown away: a state without its counters (``step``, ``num_updates``: a reset would make the
+        next warm-up update copy the live weights over the average) is refused, and so is one saved with another
+        schedule (``schedule``; a state from before it was saved is compared on ``decay``), in one line naming the
+        difference, unless ``new_schedule=True`` says to go on with this EMA's schedule (a new decay to fine-tune, say).
+        A plain average with counters you state: ``load_average``."""
         self.check_state(state)
+        absent = [key for key in ("step", "num_updates") if key not in state]
+        if absent:
+            raise ValueError(
+                f"EMA state has no {' or '.join(map(repr, absent))}: without its counters the average would restart "
+                "(the next warm-up update copies the live weights over it); load the average with "
+                "ema.load_average(state['shadow'], step=n), n the update calls it stands for"
+            )
+        saved = state.get("schedule", {"decay": state["decay"]} if "decay" in state else {})
+        differences = [] if new_schedule else _schedule_differences(saved, self.schedule_state())
+        if differences:
+            raise ValueError(
+                f"EMA state was saved with another schedule: {'; '.join(differences)}; build the EMA with the saved "
+                "settings to continue it, or pass new_schedule=True to go on with this EMA's"
+            )
         with torch.no_grad():
             for name, tensor in state["shadow"].items():
                 target = self.shadow[name]
@@ -624,17 +745,26 @@ class EMA:
                 for group, lives in self._swap.pairs:
                     foreach_copy_(lives, group.shadows)
                 self._swap.versions = _versions(self._swap.pairs)
-        self.step = int(state.get("step", 0))
-        self.num_updates = int(state.get("num_updates", 0))
+        self._step = int(state["step"])
+        self.num_updates = int(state["num_updates"])
         if self.skip_nonfinite:  # a state saved without the guard: nothing skipped, every update applied
             self._skipped.fill_(int(state.get("skipped", 0)))
             self._applied.fill_(int(state.get("applied_updates", self.num_updates)))
 
+    def load_average(self, weights: Mapping[str, torch.Tensor], *, step: int) -> None:
+        """Load a plain average, by ``state_dict`` name (timm's ``state_dict_ema``, an exported average's
+        ``state_dict()``, a peer's average: ``copy_correct.peer_states``), as the average this EMA would hold after
+        ``step`` calls of ``update``: ``num_updates`` follows from ``step``, ``start_step`` and ``update_every``, so the
+        next update continues the schedule where those calls left it. Copied in place, as ``load_state_dict``."""
+        step = integer("step", step, 0)
+        made = 0 if step <= self.start_step else -(-(step - self.start_step) // self.update_every)
+        self.load_state_dict({"shadow": weights, "step": step, "num_updates": made}, new_schedule=True)
+
     def __repr__(self) -> str:
         tensors = len({id(t) for t in self.shadow.values()})
         return (
-            f"EMA(decay={self.decay}, warmup={self.warmup}, tensors={tensors}, groups={len(self._groups)}, "
-            f"step={self.step}, num_updates={self.num_updates})"
+            f"EMA(decay={self.decay}, warmup={self.warmup!r}, tensors={tensors}, groups={len(self._groups)}, "
+            f"step={self._step}, num_updates={self.num_updates})"
         )
 
 
@@ -655,6 +785,22 @@ def _given_shadow(given: Mapping[str, torch.Tensor], name: str, live: torch.Tens
             f"{tuple(live.shape)} {live.dtype} in the model"
         )
     return shadow
+
+
+def _schedule_differences(saved: Any, ours: Mapping[str, Any]) -> list[str]:
+    """Each setting of ``saved`` (a state's ``schedule``) that is not ``ours``, as ``name saved (saved) vs ours``; a
+    setting the state lacks (saved before it existed) is not compared. A warm-up saved as a bool reads as its name."""
+    if not isinstance(saved, Mapping):
+        return [f"schedule {saved!r} is not a mapping"]
+    aliases = {True: "power", False: "none"}
+    out = []
+    for name, value in saved.items():
+        value = aliases.get(value, value) if name == "warmup" and isinstance(value, bool) else value
+        if name in ours and value != ours[name]:
+            out.append(f"{name} {value!r} (saved) vs {ours[name]!r} (this EMA)")
+        elif name not in ours:
+            out.append(f"{name} {value!r} (saved) is not a setting of this EMA")
+    return out
 
 
 def _versions(pairs: list[tuple[_Group, list[torch.Tensor]]]) -> list[list[int]]:

@@ -78,9 +78,11 @@ from torch import nn
 from copy_correct._atomic_save import atomic_save
 from copy_correct._checks import flag, floating_dtype, integer, module, real, shown
 from copy_correct._foreach_writes import foreach_copy_, foreach_lerp_
+from copy_correct._model_changes import Entry, ModelWatch, changes
 from copy_correct._module_tensors import TensorRefs, state_entries, unwrap
 from copy_correct._nonfinite import ProfilesGuard, refuse_nonfinite
-from copy_correct._sharding import from_local, is_sharded, layout, local, local_part
+from copy_correct._peer_calls import POWER_EMA_NAMES, missing, not_callable
+from copy_correct._sharding import from_local, is_sharded, layout, local, local_part, reshard
 from copy_correct._torch_internals import set_grad_enabled
 from copy_correct.power_function import SIGMA_REL_MAX, sigma_rel_to_gamma
 
@@ -209,6 +211,8 @@ class PowerEMA:
             )
         self.profiles: list[dict[str, torch.Tensor]] = [{} for _ in sigma_rels]
         self._groups = self._build()
+        self._entries = self._entries_of(self._model)
+        self._watch = ModelWatch()
         if not any(group.average for group in self._groups):
             buffers = "parameters or buffers" if include_buffers else "parameters (include_buffers=False)"
             raise ValueError(f"model ({type(self._model).__name__}) has no floating {buffers}: nothing to average")
@@ -268,9 +272,37 @@ class PowerEMA:
     # -- copies ---------------------------------------------------------------------------------------------
 
     @property
-    def model(self) -> nn.Module | None:
-        """The module whose weights are averaged (unwrapped); ``None`` in a copy until it is given one."""
+    def live_model(self) -> nn.Module | None:
+        """The module whose weights are averaged (unwrapped): the live weights, not an average; ``None`` in a copy
+        until it is given one."""
         return self._model
+
+    def __getattr__(self, name: str) -> Any:
+        """Only for an attribute the PowerEMA lacks: a peer's name (ema-pytorch's ``PostHocEMA``) raises naming
+        ours."""
+        if name.startswith("__"):
+            raise AttributeError(name)
+        missing(self, name, POWER_EMA_NAMES)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """ema-pytorch's ``ema(x)`` runs its first profile's model; the profiles here are tensors, and it says so."""
+        not_callable(self, POWER_EMA_NAMES)
+
+    def _check_model(self, model: nn.Module) -> None:
+        """``RuntimeError`` naming the tensor when ``model`` is no longer what the profiles pair (replaced, added,
+        removed, reshaped or moved: ``copy_correct._model_changes``)."""
+        if self.sharded:
+            reshard(model)
+        change = changes(model, self.include_buffers, self._entries)
+        if change is not None:
+            raise RuntimeError(f"PowerEMA: {change}")
+        self._watch.seen()
+
+    def _entries_of(self, model: nn.Module) -> list[Entry]:
+        return [
+            Entry(name, tensor if owner is None else None, tensor.device, tensor.dtype, self.profiles[0][name].shape)
+            for name, tensor, owner in state_entries(model, self.include_buffers)
+        ]
 
     def track(self, model: nn.Module) -> None:
         """Give a copy (``pickle``, ``copy.deepcopy``) the model to average from now on; the model it tracks already
@@ -294,6 +326,7 @@ class PowerEMA:
         except ValueError:
             self._model, self.profiles = None, existing
             raise
+        self._entries = self._entries_of(tracked)
         self._arm()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -325,6 +358,8 @@ class PowerEMA:
             self.track(model)
         elif model is not None and unwrap(model) is not self._model:
             raise ValueError("PowerEMA.update: this is not the model the PowerEMA was built for")
+        if self._watch.stale():
+            self._check_model(self._model)
         self.step += 1
         if self.step % self.update_every:
             return
@@ -457,6 +492,12 @@ class PowerEMA:
         """``load_state_dict``'s checks alone, reading nothing but names, shapes and spreads: ``ValueError`` naming
         the difference. A profile's entry may be ``None`` (a tensor not read yet), which only its name is checked
         for."""
+        absent = [key for key in ("sigma_rels", "step", "updated_step", "profiles") if key not in state]
+        if absent:
+            raise ValueError(
+                f"PowerEMA state has no {', '.join(map(repr, absent))}: a state of PowerEMA.state_dict() holds its "
+                "counters and profiles (copy_correct.peer_states reads ema-pytorch's PostHocEMA states)"
+            )
         if [float(s) for s in state["sigma_rels"]] != list(self.sigma_rels):
             raise ValueError(f"PowerEMA state has sigma_rels {list(state['sigma_rels'])}, this one {self.sigma_rels}")
         saved = state["profiles"]

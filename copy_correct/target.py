@@ -61,6 +61,7 @@ freeze it; ``make_target(online)`` on a sharded module raises and says so.
 from __future__ import annotations
 
 import copy
+import functools
 import operator
 import weakref
 from dataclasses import dataclass, field
@@ -74,6 +75,7 @@ from copy_correct._module_tensors import TensorRefs, state_entries, unwrap
 from copy_correct._nonfinite import NonFiniteGuard
 from copy_correct._sharding import fsdp_modules, is_sharded, layout, reshard
 from copy_correct._torch_internals import set_grad_enabled
+from copy_correct.decay_schedule import DecaySchedule
 
 __all__ = ["hard_update", "make_target", "skipped_updates", "soft_update"]
 
@@ -151,7 +153,7 @@ def _update(
             guard = _guard(unwrap(target), groups)
             for index, group in enumerate(groups):
                 foreach_copy_(guard.staging(index), group.online.resolve())
-            guard.update(copy=tau >= 1.0, decay=1.0 - tau, warmup_power=None)
+            guard.update(tau >= 1.0, _constant(1.0 - tau if tau < 1.0 else 0.0))
             return
         for group in groups:
             if group.average and tau < 1.0:
@@ -269,3 +271,9 @@ def _build(target: nn.Module, online: nn.Module) -> list[_PairGroup]:
             f"target and online ({type(online).__name__}) have no floating parameters or buffers: nothing to update"
         )
     return list(groups.values())
+
+
+@functools.lru_cache(maxsize=8)
+def _constant(decay: float) -> DecaySchedule:
+    """The guard's schedule of a soft update by ``tau = 1 - decay``: that decay at every update (made once per tau)."""
+    return DecaySchedule(decay, warmup=False)

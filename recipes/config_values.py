@@ -24,6 +24,7 @@ from typing import Any
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from copy_correct import _checks
+from copy_correct.decay_schedule import warmup_name
 
 __all__ = [
     "ALLOWED",
@@ -33,6 +34,7 @@ __all__ = [
     "Real",
     "Reals",
     "Sizes",
+    "Warmup",
     "Whole",
     "check_values",
     "config_keys",
@@ -146,6 +148,20 @@ class Flag:
 
 
 @dataclass(frozen=True)
+class Warmup:
+    """An EMA's warm-up: ``true``, ``false`` or one of ``copy_correct.decay_schedule.WARMUPS`` (``ratio``, ...)."""
+
+    def check(self, key: str, value: Any) -> None:
+        try:
+            warmup_name(value)
+        except (TypeError, ValueError) as err:
+            raise ValueError(str(err).replace("warmup", key, 1).replace("True, False", "true, false")) from None
+
+    def refused(self) -> list[str]:
+        return ["yes", "1", "null", "linear"]
+
+
+@dataclass(frozen=True)
 class Sizes:
     """A list of ``length`` integers >= 1 (``model.image_shape``: channels, height, width), or null (from the data)."""
 
@@ -232,7 +248,7 @@ ALLOWED: dict[str, Rule] = {
     "callbacks.*.enabled": Flag(),
     "callbacks.*.every_n_steps": Whole(1),
     "callbacks.ema.decay": Real("[0, 1)"),
-    "callbacks.ema.warmup": Flag(),
+    "callbacks.ema.warmup": Warmup(),
     "callbacks.posthoc_ema.sigma_rels": Reals("(0, 0.2887)"),
     "callbacks.posthoc_ema.snapshot_every": Whole(1),
     # data (conf/data/*.yaml, conf/recipe/metrics.yaml and pinned.yaml)

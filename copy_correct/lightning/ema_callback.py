@@ -117,8 +117,11 @@ class EMACallback(pl.Callback):
         self,
         decay: float = 0.999,
         *,
-        warmup: bool = True,
+        warmup: bool | str = True,
         warmup_power: float = 2 / 3,
+        warmup_gamma: float = 1.0,
+        warmup_offset: float = 0.0,
+        min_decay: float = 0.0,
         update_every: int = 1,
         start_step: int = 0,
         include_buffers: bool = True,
@@ -140,6 +143,9 @@ class EMACallback(pl.Callback):
             "decay": decay,
             "warmup": warmup,
             "warmup_power": warmup_power,
+            "warmup_gamma": warmup_gamma,
+            "warmup_offset": warmup_offset,
+            "min_decay": min_decay,
             "update_every": update_every,
             "start_step": start_step,
             "include_buffers": include_buffers,
@@ -171,7 +177,7 @@ class EMACallback(pl.Callback):
             if self._pending is not None:
                 self._load(self.ema, self._pending)
                 self._pending = None
-        elif self.ema.model is None:  # a copy of this callback: its EMA's copy averages this module from now on
+        elif self.ema.live_model is None:  # a copy of this callback: its EMA's copy averages this module from now on
             self.ema.track(pl_module)
         return self.ema
 

@@ -146,7 +146,7 @@ class PostHocEMACallback(pl.Callback):
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.power_ema is not None:
-            if self.power_ema.model is None:  # a copy (pickle, copy.deepcopy) of a callback: it gets the module
+            if self.power_ema.live_model is None:  # a copy (pickle, copy.deepcopy) of a callback: it gets the module
                 self.power_ema.track(_submodule(pl_module, self.module))
             return
         # The callback writes the snapshots itself (on_train_batch_end), named as the LightningModule's state_dict.
@@ -184,8 +184,8 @@ class PostHocEMACallback(pl.Callback):
     ) -> None:
         if trainer.global_step > self._last_step and self.power_ema is not None:  # an optimizer step in this batch
             self._last_step = trainer.global_step
-            if self.power_ema.sharded and self.power_ema.include_buffers and self.power_ema.model is not None:
-                self._broadcast.sync(trainer, self.power_ema.model)  # the same buffers on every rank
+            if self.power_ema.sharded and self.power_ema.include_buffers and self.power_ema.live_model is not None:
+                self._broadcast.sync(trainer, self.power_ema.live_model)  # the same buffers on every rank
             self.power_ema.update()
             if self._directory is not None and self.power_ema.step % self.snapshot_every == 0:
                 self.save_snapshot(self._directory)

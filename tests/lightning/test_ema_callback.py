@@ -843,7 +843,7 @@ def test_a_pickled_or_deep_copied_callback_is_an_independent_working_callback_be
     assert ema.ema is not None and ema._trainer is not None
     for copied in (during.copied, after):
         assert isinstance(copied, EMACallback) and copied.ema is not None
-        assert copied.ema.model is None and copied._trainer is None and copied._wrapped == []
+        assert copied.ema.live_model is None and copied._trainer is None and copied._wrapped == []
         assert not any(shares_storage(t, x) for t in copied.ema.shadow.values() for x in ema.ema.shadow.values())
     assert same(after.ema.shadow, trained) and after.ema.step == 6
 

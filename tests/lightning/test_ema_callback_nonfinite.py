@@ -36,7 +36,7 @@ def test_a_diverging_run_keeps_a_finite_average_and_logs_the_skipped_count_once_
     t = trainer(tmp_path, [callback], limit_val_batches=0)
     t.fit(Diverging(), loader(), loader())  # 2 epochs of 8 steps (no validation: limit_val_batches=0)
     ema = callback.ema
-    assert ema is not None and not torch.isfinite(ema.model.net[0].weight).all()
+    assert ema is not None and not torch.isfinite(ema.live_model.net[0].weight).all()
     assert all(torch.isfinite(v).all() for v in ema.shadow.values() if v.is_floating_point())
     assert t.callback_metrics["ema/skipped"].item() == 6  # steps 11 to 16
     assert reads == [8, 16]  # once per epoch

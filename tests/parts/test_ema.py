@@ -283,7 +283,9 @@ def test_inside_average_weights_update_and_copy_to_raise_and_the_live_weights_co
     model, ema, live, average = swapped_pair(device)
     with ema.average_weights(model):
         assert ema.swapped
-        with pytest.raises(RuntimeError, match=r"EMA.update inside EMA.average_weights: the model holds the average"):
+        with pytest.raises(
+            RuntimeError, match=r"EMA.update inside EMA.average_weights: the model holds a copy of the average"
+        ):
             ema.update(model)
         with pytest.raises(RuntimeError, match=r"EMA.copy_to\(model\) inside EMA.average_weights"):
             ema.copy_to()
@@ -322,13 +324,13 @@ def test_load_state_dict_inside_average_weights_loads_the_average_and_the_live_w
     other.update(other_model)
     loaded = cloned(other.shadow)
     with ema.average_weights(model):
-        ema.load_state_dict(other.state_dict())
+        ema.load_state_dict(other.state_dict(), new_schedule=True)
         assert same(model.state_dict(), loaded)  # the block goes on with the loaded average
     assert same(model.state_dict(), live) and same(ema.shadow, loaded)
 
     with ema.average_weights(model):  # the control: the guard switched off
         ema._swap = None
-        ema.load_state_dict(EMA(net()).state_dict())
+        ema.load_state_dict(EMA(net()).state_dict(), new_schedule=True)
         assert not same(model.state_dict(), cloned(ema.shadow))  # the block goes on with the average before the load
 
 
@@ -550,7 +552,7 @@ def test_a_pickled_or_deep_copied_ema_is_independent_and_tracks_no_model_until_g
     assert copied.shadow["0.weight"] is copied.shadow["4.weight"]
 
     # No model travels: what needs one says so, what does not works.
-    assert copied.model is None and ema.model is model
+    assert copied.live_model is None and ema.live_model is model
     for needs_a_model in (copied.update, copied.copy_to, copied.export, lambda: copied.average_weights().__enter__()):
         with pytest.raises(RuntimeError, match=r"is a copy .* and tracks no model yet: pass the model"):
             needs_a_model()
@@ -563,7 +565,7 @@ def test_a_pickled_or_deep_copied_ema_is_independent_and_tracks_no_model_until_g
     perturb(model)
     ema.update(model)
     copied.update(model)  # tracks the model from here on
-    assert copied.model is model and same(copied.shadow, ema.shadow)
+    assert copied.live_model is model and same(copied.shadow, ema.shadow)
     before = cloned(ema.shadow)
     perturb(model)
     copied.update(model)
@@ -607,11 +609,11 @@ def test_a_copy_tracks_only_a_model_with_the_shadows_names_shapes_and_ties() -> 
         ValueError, match=r"the shadow has \['1.bias', '1.num_batches_tracked', .*\], the model has not"
     ):
         copied.track(nn.Sequential(nn.Linear(16, 16)))
-    assert copied.model is None  # a refused model is not tracked
+    assert copied.live_model is None  # a refused model is not tracked
     with pytest.raises(ValueError, match=r"the model ties \['4.weight'\] to other tensors, the shadow does not"):
         copy.deepcopy(EMA(untied)).track(model)
     copied.track(model)
-    assert copied.model is model
+    assert copied.live_model is model
 
 
 def test_a_copy_taken_inside_average_weights_holds_the_average_and_is_not_swapped() -> None:

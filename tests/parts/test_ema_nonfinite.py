@@ -197,7 +197,7 @@ def test_start_step_copies_and_update_every_hold_and_the_warmup_restarts_where_i
     assert (ema.step, ema.num_updates, ema.skipped) == (6, 2, 2)
 
     control = EMA(net(), decay=0.999, start_step=2, update_every=3)
-    update_poisoned(control, control.model, "buffer", float("nan"))
+    update_poisoned(control, control.live_model, "buffer", float("nan"))
     assert control.shadow["1.running_var"].isnan().any()  # the control: the copy copies the NaN
 
 

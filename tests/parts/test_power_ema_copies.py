@@ -52,7 +52,7 @@ def test_a_copy_holds_new_profiles_and_no_model_and_follows_the_original_once_gi
         train_step(model, step)
         ema.update()
     twin = COPIES[how](ema)
-    assert twin.model is None and twin.step == ema.step == 3 and same(twin, ema)
+    assert twin.live_model is None and twin.step == ema.step == 3 and same(twin, ema)
     assert twin.profiles[0]["0.weight"].dtype == torch.float32  # the bf16 model's float32 profiles
     assert all(
         t.untyped_storage().data_ptr() != ema.profiles[0][n].untyped_storage().data_ptr()
@@ -64,7 +64,7 @@ def test_a_copy_holds_new_profiles_and_no_model_and_follows_the_original_once_gi
         train_step(model, step)
         ema.update()
         twin.update(model)  # the first gives the copy the model
-    assert twin.model is model and twin.step == ema.step == 7 and same(twin, ema)
+    assert twin.live_model is model and twin.step == ema.step == 7 and same(twin, ema)
 
 
 @pytest.mark.parametrize("how", COPIES)
@@ -83,7 +83,7 @@ def test_ties_are_kept_and_a_model_that_is_not_the_profiles_is_refused(how: str)
     untied.decoder.weight = nn.Parameter(untied.encoder.weight.detach().clone())
     with pytest.raises(ValueError, match="tied to other tensors"):
         twin.track(untied)
-    assert twin.model is None  # refused: still a copy with no model
+    assert twin.live_model is None  # refused: still a copy with no model
     twin.track(model)
     with pytest.raises(ValueError, match="already tracks another model"):
         twin.track(Tied())
@@ -112,7 +112,7 @@ def test_control_a_copy_that_takes_the_model_along_averages_frozen_weights(monke
     ema.update()
     monkeypatch.setattr(PowerEMA, "__getstate__", lambda self: self.__dict__)  # as before: the model deep-copied too
     twin = copy.deepcopy(ema)
-    assert twin.model is not None and twin.model is not model  # a second model, frozen at the copy
+    assert twin.live_model is not None and twin.live_model is not model  # a second model, frozen at the copy
     for step in range(2, 5):
         train_step(model, step)
         ema.update()
@@ -128,9 +128,9 @@ def test_a_copied_callback_gives_its_profiles_the_module_when_fit_starts() -> No
     callback = PostHocEMACallback(module="net")
     callback.power_ema = PowerEMA(module.net)
     twin = pickle.loads(pickle.dumps(callback))
-    assert twin.power_ema is not None and twin.power_ema.model is None
+    assert twin.power_ema is not None and twin.power_ema.live_model is None
     twin.on_fit_start(SimpleNamespace(global_rank=0), module)  # type: ignore[arg-type]
-    assert twin.power_ema.model is module.net
+    assert twin.power_ema.live_model is module.net
 
 
 @pytest.mark.gpu
