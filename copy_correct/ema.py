@@ -41,6 +41,20 @@ Copy contract:
   average at all times; ``state_dict``, ``load_state_dict``, ``copy_to`` (another model) and ``export`` read and write
   it there, inside a block too. ``update`` and ``copy_to(model)`` raise inside a block: their result would be undone
   when the block ends.
+* ``module`` is the average as a module of the model's class, in eval mode, made once: a deep copy of the model's
+  structure whose parameters and averaged buffers are the shadow's own storage (no copy of the weights; a write into
+  it is a write into the average), for ``module(x)``, ``module.state_dict()``, ``save_pretrained`` and timm's
+  ``CheckpointSaver``/``load_checkpoint``. ``live_model`` is the model being averaged: the live weights.
+* The schedule (``schedule``, a ``DecaySchedule``: ``warmup`` none, copy, power or ratio, ``warmup_gamma``,
+  ``warmup_offset``, ``min_decay``) says every peer's (``copy_correct.peer_schedules``). ``state_dict`` holds it and
+  the counters; ``load_state_dict`` refuses a state without counters or of another schedule (a silent reset would let
+  the next warm-up update copy the live weights over the average); ``load_average(weights, step=n)`` loads a plain
+  average with the step it stands for.
+* A model changed under the EMA (a tensor replaced, added, removed, reshaped or moved: a new head) is refused, naming
+  the tensor, at the next ``update`` (which compares one count of module registrations, and walks the model only
+  when it changed) and at every ``average_weights``, ``copy_to``, ``export`` and ``module`` (a walk over the names:
+  ``benchmarks/model_changes.py`` times it). A peer's call shape (``ema.step(parameters)``, ``ema(x)``, ``ema.eval()``,
+  ``ema.ema_model``) fails in one line naming ours (``copy_correct._peer_calls``).
 * The average is only as good as its start: ``initial_share`` is the share of it that is still the weights it began
   from. With the default warm-up (``warmup=True``) the first update's decay is 0 and the share is 0 from then on;
   with ``warmup=False`` it is ``decay ** updates`` (0.74 after 300 updates at 0.999). The first use of the average
@@ -49,7 +63,7 @@ Copy contract:
   and buffers cloned, gradients not), the average copied into it. The model and the shadow are only read.
 * ``pickle`` and ``copy.deepcopy`` copy the EMA without its model: the settings, the counters and the shadow, in new
   storage (tied tensors stay one), so updating either never reaches the other. The model is not carried (the EMA
-  refers to it, and weakly to its buffers' owners, which cannot travel): the copy tracks no model (``model`` is
+  refers to it, and weakly to its buffers' owners, which cannot travel): the copy tracks no model (``live_model`` is
   ``None``) until one is given, by ``update(model)``, ``average_weights(model)`` or ``track(model)``, which check
   that its names, shapes and ties are the shadow's; ``update()``, ``average_weights()``, ``copy_to()`` and
   ``export()`` without a model raise until then, saying so. ``shadow``, ``state_dict`` and ``copy_to(other_model)``

@@ -1,0 +1,89 @@
+"""Benchmark what refusing a model changed under an ``EMA`` costs (``copy_correct._model_changes``), against the update
+itself, on the EMA benchmark's models; write the table to docs/benchmarks.md.
+
+    python -m benchmarks.model_changes                 # CPU; the digits MLP and two ~25M-parameter models
+    python -m benchmarks.model_changes --quick --output /tmp/b.md
+
+Rows, each timed in the same interleaved rounds:
+
+* ``EMA.update``: the update as it runs in a loop (the check is one integer compared with the count of registrations)
+* the same with the check removed (``stale`` answering ``False``): the update without any check, the floor
+* ``EMA.update`` after a registration anywhere (the count raised before each call): the update plus the walk over the
+  model's ``state_dict`` names, what an update pays once after a module is built or assigned
+* the walk alone (``_check_model``), which ``average_weights``, ``copy_to``, ``export`` and ``module`` make each time
+* ``average_weights`` entered and left (its two copies of the weights, and the walk)
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from benchmarks.ema import benchmark_models
+from benchmarks.report import command_line, measured_on, median_ms, parse_args, write_section
+from copy_correct import EMA, _model_changes
+
+ROOT = Path(__file__).resolve().parents[1]
+UPDATE = "EMA.update (the check: one integer compare)"
+
+
+def contenders(model: nn.Module) -> dict[str, Callable[[], object]]:
+    checked, unchecked, walked = (EMA(model, decay=0.999) for _ in range(3))
+    unchecked._watch.stale = lambda: False  # the floor: no check at all
+
+    def after_a_registration() -> None:
+        _model_changes._registrations[0] += 1  # as a module built or assigned anywhere does
+        walked.update(model)
+
+    def swap() -> None:
+        with checked.average_weights(model):
+            pass
+
+    return {
+        UPDATE: lambda: checked.update(model),
+        "EMA.update without the check": lambda: unchecked.update(model),
+        "EMA.update after a registration (update + walk)": after_a_registration,
+        "the walk alone (_check_model)": lambda: checked._check_model(model),
+        "average_weights entered and left (two copies + walk)": swap,
+    }
+
+
+def table(title: str, model: nn.Module, times: dict[str, float]) -> str:
+    tensors = len(model.state_dict())
+    lines = [
+        f"**{title}**: {tensors} state_dict entries",
+        "",
+        "| contender | ms per call | time / update |",
+        "| --- | ---: | ---: |",
+    ]
+    lines += [f"| {name} | {ms:.4f} | {ms / times[UPDATE]:.2f}x |" for name, ms in times.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    args, device, budget = parse_args(__doc__, argv, 10.0, ROOT / "docs" / "benchmarks.md")
+    sections = []
+    for title, make in benchmark_models(args.quick).items():
+        torch.manual_seed(0)
+        model = make().to(device)
+        sections.append(table(title, model, median_ms(contenders(model), device, budget)))
+        print(sections[-1], end="\n\n", flush=True)
+    header = measured_on(device, command_line("benchmarks.model_changes", args))
+    key = f"model-changes-{device.type}"
+    write_section(
+        args.output,
+        key,
+        f"A model changed under the EMA: the check's cost ({device.type})",
+        header,
+        "\n\n".join(sections),
+    )
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
