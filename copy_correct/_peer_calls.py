@@ -4,15 +4,19 @@ Copy contract: none; these only raise.
 
 An attribute the averages do not have is looked up here (``__getattr__`` runs only for a missing attribute, so
 this costs the averages' own attributes nothing): a peer's name raises ``AttributeError`` saying what it is there
-and what it is here; any other name raises Python's usual message. ``CallCount`` is ``EMA.step``, an ``int`` that
-answers diffusers' ``ema.step(parameters)`` with our call instead of ``'int' object is not callable``.
+and what it is here; any other name raises Python's usual message.
+
+``EMA.step`` stays a plain ``int``, the count of ``update`` calls, so diffusers' ``ema.step(parameters)`` gets
+Python's ``'int' object is not callable``: an ``int`` subclass answering the call would be pickled as that class,
+which ``torch.load(weights_only=True)`` refuses in any process that has not imported it, and a count saved in a
+user's checkpoint must load anywhere.
 """
 
 from __future__ import annotations
 
-from typing import Any, NoReturn
+from typing import NoReturn
 
-__all__ = ["EMA_NAMES", "POWER_EMA_NAMES", "CallCount", "missing", "not_callable"]
+__all__ = ["EMA_NAMES", "POWER_EMA_NAMES", "missing", "not_callable"]
 
 # name -> (whose it is and what it does there, what to use here); {cls} is the class's name
 EMA_NAMES = {
@@ -69,15 +73,3 @@ def not_callable(owner: object, names: dict[str, tuple[str, str]]) -> NoReturn:
     _, ours = names["forward"]
     raise TypeError(f"{type(owner).__name__} is not a module and runs nothing: {ours}")
 
-
-class CallCount(int):
-    """``EMA.step``: how many times ``update`` was called, an ``int`` in every way but that calling it (diffusers'
-    ``ema.step(model.parameters())``) raises a ``TypeError`` naming ``ema.update(model)``."""
-
-    __slots__ = ()
-
-    def __call__(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise TypeError(
-            "ema.step is the count of update calls, not diffusers' EMAModel.step(parameters): call ema.update(model) "
-            "(the module, not its parameters) after each optimizer step"
-        )

@@ -53,8 +53,8 @@ Copy contract:
 * A model changed under the EMA (a tensor replaced, added, removed, reshaped or moved: a new head) is refused, naming
   the tensor, at the next ``update`` (which compares one count of module registrations, and walks the model only
   when it changed) and at every ``average_weights``, ``copy_to``, ``export`` and ``module`` (a walk over the names:
-  ``benchmarks/model_changes.py`` times it). A peer's call shape (``ema.step(parameters)``, ``ema(x)``, ``ema.eval()``,
-  ``ema.ema_model``) fails in one line naming ours (``copy_correct._peer_calls``).
+  ``benchmarks/model_changes.py`` times it). A peer's call shape (``ema(x)``, ``ema.eval()``, ``ema.ema_model``,
+  ``ema.store``, ``update(model.parameters())``) fails in one line naming ours (``copy_correct._peer_calls``).
 * The average is only as good as its start: ``initial_share`` is the share of it that is still the weights it began
   from. With the default warm-up (``warmup=True``) the first update's decay is 0 and the share is 0 from then on;
   with ``warmup=False`` it is ``decay ** updates`` (0.74 after 300 updates at 0.999). The first use of the average
@@ -117,7 +117,7 @@ from copy_correct._foreach_writes import foreach_copy_, foreach_lerp_
 from copy_correct._model_changes import Entry, ModelWatch, changes
 from copy_correct._module_tensors import TensorRefs, state_entries, unwrap
 from copy_correct._nonfinite import NonFiniteGuard, refuse_nonfinite
-from copy_correct._peer_calls import EMA_NAMES, CallCount, missing, not_callable
+from copy_correct._peer_calls import EMA_NAMES, missing, not_callable
 from copy_correct._sharding import from_local, is_sharded, layout, local, local_part, reshard
 from copy_correct._torch_internals import set_grad_enabled
 from copy_correct.decay_schedule import DecaySchedule
@@ -203,7 +203,7 @@ class EMA:
         self.shadow_dtype = floating_dtype("shadow_dtype", shadow_dtype)
         self.device = checked_device("device", device) if device is not None else None
         self.skip_nonfinite = flag("skip_nonfinite", skip_nonfinite)
-        self._step = 0  # calls of update(): ``step``
+        self.step = 0  # calls of update()
         self.num_updates = 0  # averaging updates made (the warm-up's k; under skip_nonfinite, skipped ones too)
         self._shadow: dict[str, torch.Tensor] = {}
         self._groups: list[_Group] = []
@@ -330,16 +330,6 @@ class EMA:
         """The module whose weights are averaged (unwrapped): the live weights, not the average (that is ``module``);
         ``None`` in a copy until it is given one."""
         return self._model
-
-    @property
-    def step(self) -> int:
-        """How many times ``update`` was called (an ``int``; calling it as diffusers' ``EMAModel.step(parameters)``
-        raises, naming ``update``)."""
-        return CallCount(self._step)
-
-    @step.setter
-    def step(self, value: int) -> None:
-        self._step = int(value)
 
     def __getattr__(self, name: str) -> Any:
         """Only for an attribute the EMA lacks: a peer's name (timm, diffusers, ema-pytorch) raises naming ours."""
@@ -476,13 +466,13 @@ class EMA:
         tracked = self._tracked(model)
         if self._watch.stale():
             self._check_model(tracked)
-        if step is not None and step != self._step + 1:
+        if step is not None and step != self.step + 1:
             raise ValueError(
-                f"EMA.update(step={step!r}): this is update call {self._step + 1} of this EMA, which counts its own "
+                f"EMA.update(step={step!r}): this is update call {self.step + 1} of this EMA, which counts its own "
                 "calls (ema.step); restore a resumed count with load_state_dict or load_average(..., step=n), or drop "
                 "step="
             )
-        step, self._step = self._step, self._step + 1
+        step, self.step = self.step, self.step + 1
         copy = step < self.start_step
         if not copy and (step - self.start_step) % self.update_every:
             return
@@ -675,7 +665,7 @@ class EMA:
         state = {
             "decay": self.decay,
             "schedule": self.schedule_state(),
-            "step": self._step,
+            "step": self.step,
             "num_updates": self.num_updates,
             "shadow": dict(self.shadow),
         }
@@ -759,7 +749,7 @@ class EMA:
                 for group, lives in self._swap.pairs:
                     foreach_copy_(lives, group.shadows)
                 self._swap.versions = _versions(self._swap.pairs)
-        self._step = int(state["step"])
+        self.step = int(state["step"])
         self.num_updates = int(state["num_updates"])
         if self.skip_nonfinite:  # a state saved without the guard: nothing skipped, every update applied
             self._skipped.fill_(int(state.get("skipped", 0)))
@@ -778,7 +768,7 @@ class EMA:
         tensors = len({id(t) for t in self.shadow.values()})
         return (
             f"EMA(decay={self.decay}, warmup={self.warmup!r}, tensors={tensors}, groups={len(self._groups)}, "
-            f"step={self._step}, num_updates={self.num_updates})"
+            f"step={self.step}, num_updates={self.num_updates})"
         )
 
 
