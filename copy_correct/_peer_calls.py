@@ -72,4 +72,3 @@ def not_callable(owner: object, names: dict[str, tuple[str, str]]) -> NoReturn:
     """``owner(x)``, a peer's module-style call of its average, refused in one line naming ours."""
     _, ours = names["forward"]
     raise TypeError(f"{type(owner).__name__} is not a module and runs nothing: {ours}")
-

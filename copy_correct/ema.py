@@ -347,7 +347,10 @@ class EMA:
         ``save_pretrained`` and timm's ``load_checkpoint`` / ``CheckpointSaver``: its parameters and averaged buffers
         are the shadow's own storage (no copy; ``copy_correct._average_module``), so it holds the average at all times
         and a write into it is a write into the average. Its floating tensors have the shadow's dtype (float32 for a
-        float16/bfloat16 model). Made on first use; a copy with no model and a sharded EMA have none."""
+        float16/bfloat16 model). Made on first use; a copy with no model and a sharded EMA have none. Its
+        ``load_state_dict`` (timm's resume, ``load_checkpoint(ema.module, ...)``) is refused, naming ``load_average``:
+        it would replace the average and leave the counters, so the next warm-up update would copy the live weights
+        over it."""
         tracked = self._tracked(None)
         if self.sharded:
             raise RuntimeError(
@@ -357,6 +360,7 @@ class EMA:
         self._check_model(tracked)
         if self._module is None:
             self._module = average_module(tracked, self._shadow, self.include_buffers)
+            self._module.register_load_state_dict_pre_hook(_counterless_load)
         return self._module
 
     def track(self, model: nn.Module) -> None:
@@ -789,6 +793,15 @@ def _given_shadow(given: Mapping[str, torch.Tensor], name: str, live: torch.Tens
             f"{tuple(live.shape)} {live.dtype} in the model"
         )
     return shadow
+
+
+def _counterless_load(module: nn.Module, *_: Any) -> None:
+    """``EMA.module``'s ``load_state_dict`` pre-hook: refuse, naming the load that keeps the counters."""
+    raise RuntimeError(
+        "ema.module.load_state_dict would replace the average without its counters (the next warm-up update would "
+        "copy the live weights over it): load an average with ema.load_average(state_dict, step=n), n the update "
+        "calls it stands for, or an EMA state with ema.load_state_dict(state)"
+    )
 
 
 def _schedule_differences(saved: Any, ours: Mapping[str, Any]) -> list[str]:

@@ -183,18 +183,21 @@ def test_timm_section(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         timm_models.load_checkpoint(plain, "before.pth.tar", use_ema=True)
 
 
-def test_timm_resume_into_ema_module_leaves_the_counters_as_the_page_warns(
+def test_timms_resume_into_ema_module_is_refused_naming_load_average(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     timm_models = timm_as_the_page_imports_it(monkeypatch)
     ours, saved = run_section("timm", tmp_path, monkeypatch)[1:3]
     ema_class, schedule, model = ours["EMA"], ours["timm_schedule"], saved["model"]
     fresh = ema_class(model, **schedule(decay=0.99))
-    timm_models.load_checkpoint(fresh.module, "checkpoints/last.pth.tar", use_ema=True)  # timm's train.py resume
-    assert same(fresh.shadow, saved["ema"].shadow) and fresh.step == 0  # the average in, the counters not
-    with pytest.raises(ValueError, match=r"update\(step=101\): this is update call 1 .*load_average"):
-        fresh.update(model, step=101)
-    fresh.update(model)  # no step: the warm-up's first update copies the live weights over the average
+    before = {name: t.clone() for name, t in fresh.shadow.items()}
+    with pytest.raises(RuntimeError, match=r"^ema.module.load_state_dict would replace the average without its"):
+        timm_models.load_checkpoint(fresh.module, "checkpoints/last.pth.tar", use_ema=True)  # timm's train.py resume
+    assert same(fresh.shadow, before) and fresh.step == 0
+    fresh._module._load_state_dict_pre_hooks.clear()  # the control: the load let through, the counters left at 0
+    timm_models.load_checkpoint(fresh.module, "checkpoints/last.pth.tar", use_ema=True)
+    assert same(fresh.shadow, saved["ema"].shadow) and fresh.step == 0
+    fresh.update(model)  # the warm-up's first update copies the live weights over the average
     assert same(fresh.shadow, model.state_dict())
 
 
