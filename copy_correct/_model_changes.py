@@ -8,10 +8,11 @@ stale: the old head's parameters, no longer in the model, updated on, the new on
 model as it is now with the pairs, entry by entry (a walk over ``state_dict`` names: microseconds per tensor), and
 ``ModelWatch`` says when that walk is worth making in the hot path: every assignment of a parameter, buffer or
 submodule to any module goes through ``nn.Module.__setattr__``/``register_*``, whose global registration hooks
-(installed once, on the first watch) raise a process-wide count; an update compares one integer with the count it
-saw last and walks the model only when something, somewhere, was registered since. What no hook sees (``param.data
-= other_shape``, ``del module.head``) is found by the walk that ``average_weights``, ``copy_to``, ``export`` and
-``module`` always make.
+(installed once, on the first watch) raise a process-wide count (a buffer only when it is new, removed or of another
+shape, dtype or device: one reassigned alike each step is looked up by name anyway); an update compares one integer
+with the count it saw last and walks the model only when something, somewhere, was registered since. What no hook
+sees (``param.data = other_shape``, ``del module.head``) is found by the walk that ``average_weights``, ``copy_to``,
+``export`` and ``module`` always make.
 """
 
 from __future__ import annotations
@@ -34,6 +35,19 @@ def _count(*_: Any) -> None:
     _registrations[0] += 1
 
 
+def _count_buffer(module: nn.Module, name: str, buffer: torch.Tensor | None) -> None:
+    """A buffer counts when it is new, removed, or of another shape, dtype or device than the one it replaces: a
+    buffer assigned anew each step (torch's ``AveragedModel`` does ``self.n_averaged += 1``) is looked up by name at
+    every update anyway, and must not make every update walk the model."""
+    old = module._buffers.get(name)
+    if (
+        old is None
+        or buffer is None
+        or (old.shape, old.dtype, old.device) != (buffer.shape, buffer.dtype, buffer.device)
+    ):
+        _registrations[0] += 1
+
+
 class ModelWatch:
     """``stale()``: whether anything was registered on any module since the last ``seen()`` (one integer compare)."""
 
@@ -43,7 +57,7 @@ class ModelWatch:
             _hooks.extend(
                 (
                     modules.register_module_parameter_registration_hook(_count),
-                    modules.register_module_buffer_registration_hook(_count),
+                    modules.register_module_buffer_registration_hook(_count_buffer),
                     modules.register_module_module_registration_hook(_count),
                 )
             )

@@ -305,3 +305,19 @@ def test_timms_update_with_its_step_works_while_the_steps_agree() -> None:
         ema.update(model, step=step)  # timm's train.py: update(model, step=num_updates)
         control.update(model)
     assert same(ema.shadow, control.shadow) and ema.step == 5 and isinstance(ema.step, int)
+
+
+def test_a_buffer_reassigned_alike_each_step_costs_no_walk() -> None:
+    from torch.optim.swa_utils import AveragedModel
+
+    model = net()
+    ema = EMA(model, decay=0.9)
+    averaged = AveragedModel(model)  # its update does self.n_averaged += 1: a buffer assigned anew
+    ema.update(model)
+    averaged.update_parameters(model)
+    model[1].running_mean = model[1].running_mean + 1  # the same shape, dtype and device
+    assert not ema._watch.stale()
+    model[1].running_mean = torch.zeros(4)  # the control: reshaped, so the next update walks (and refuses)
+    assert ema._watch.stale()
+    with pytest.raises(RuntimeError, match=r"'1.running_mean' is \(4,\) now"):
+        ema.update(model)
