@@ -10,7 +10,7 @@ Rows, each timed in the same interleaved rounds:
 * the same with the check removed (``stale`` answering ``False``): the update without any check, the floor
 * ``EMA.update`` after a registration anywhere (the count raised before each call): the update plus the walk over the
   model's ``state_dict`` names, what an update pays once after a module is built or assigned
-* the walk alone (``_check_model``), which ``average_weights``, ``copy_to``, ``export`` and ``module`` make each time
+* the walk alone (``_check_model``), which ``average_weights``, ``copy_to`` and ``export`` make each time
 * ``average_weights`` entered and left (its two copies of the weights, and the walk)
 """
 

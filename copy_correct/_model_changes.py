@@ -11,8 +11,8 @@ submodule to any module goes through ``nn.Module.__setattr__``/``register_*``, w
 (installed once, on the first watch) raise a process-wide count (a buffer only when it is new, removed or of another
 shape, dtype or device: one reassigned alike each step is looked up by name anyway); an update compares one integer
 with the count it saw last and walks the model only when something, somewhere, was registered since. What no hook
-sees (``param.data = other_shape``, ``del module.head``) is found by the walk that ``average_weights``, ``copy_to``,
-``export`` and ``module`` always make.
+sees (``param.data = other_shape``, ``del module.head``) is found by the walk that ``average_weights``, ``copy_to`` and
+``export`` always make.
 """
 
 from __future__ import annotations

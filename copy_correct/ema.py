@@ -51,8 +51,8 @@ Copy contract:
   the next warm-up update copy the live weights over the average); ``load_average(weights, step=n)`` loads a plain
   average with the step it stands for.
 * A model changed under the EMA (a tensor replaced, added, removed, reshaped or moved: a new head) is refused, naming
-  the tensor, at the next ``update`` (which compares one count of module registrations, and walks the model only
-  when it changed) and at every ``average_weights``, ``copy_to``, ``export`` and ``module`` (a walk over the names:
+  the tensor, at the next ``update`` and ``module`` (which compare one count of module registrations, and walk the
+  model only when it changed) and at every ``average_weights``, ``copy_to`` and ``export`` (a walk over the names:
   ``benchmarks/model_changes.py`` times it). A peer's call shape (``ema(x)``, ``ema.eval()``, ``ema.ema_model``,
   ``ema.store``, ``update(model.parameters())``) fails in one line naming ours (``copy_correct._peer_calls``).
 * The average is only as good as its start: ``initial_share`` is the share of it that is still the weights it began
@@ -357,7 +357,8 @@ class EMA:
                 "EMA.module would deep-copy the model's structure, which FSDP2 forbids for a sharded one: load "
                 "ema.full_state_dict() (gathered once) into an unsharded instance of the model instead"
             )
-        self._check_model(tracked)
+        if self._watch.stale():  # read per batch in an evaluation loop: the walk only after a registration
+            self._check_model(tracked)
         if self._module is None:
             self._module = average_module(tracked, self._shadow, self.include_buffers)
             self._module.register_load_state_dict_pre_hook(_counterless_load)
