@@ -15,19 +15,21 @@ Copy contract:
 * A model in float16/bfloat16 gets a float32 shadow (``shadow_dtype=None``): at decay 0.9999 a bf16
   shadow rounds every small update away. A group whose shadow dtype or device differs from the model's
   keeps a staging copy of the live tensors in the shadow's dtype and device, allocated once.
-* ``skip_nonfinite=True`` (off by default, see below): an update whose live parameters or floating buffers hold any
-  NaN or Inf leaves the shadow bit for bit as it was (``-0.0`` entries, integer buffers and a copy before
-  ``start_step`` included), decided on the device: no value is read back, nothing is allocated per update, every
-  kernel runs whatever the flag holds (``copy_correct._nonfinite`` says how, and why it is exact). It keeps one flat
-  staging copy of the live values (one copy of the weights), made once. The warm-up counts applied updates only, on
-  the device: the next clean update is made as if the skipped ones had never been, and a clean guarded update is the
-  plain one (bit for bit on CPU). ``update_every`` and ``start_step`` still count calls, skipped or not;
-  ``num_updates`` counts updates made, skipped ones too. ``skipped`` reads the count (a sync, the reader's);
-  ``state_dict`` saves it and the warm-up's position. A model already non-finite at construction, and a sharded
-  one (each rank would decide alone), are refused. Not the default because it costs more than the update itself: it
-  moves the weights' bytes about 8 times where the plain update moves them 3 (copy, check, mask, lerp); measured on
-  the large models of ``benchmarks/ema.py`` (2 CPU threads, ``docs/recipes/ema.md`` section 9), about 3x the plain
-  update's time.
+* ``skip_nonfinite`` (on by default for a shadow on the CPU): an update whose live parameters or floating buffers hold
+  any NaN or Inf leaves the shadow bit for bit as it was (``-0.0`` entries, integer buffers and a copy before
+  ``start_step`` included). On the CPU the values the update averages (the live tensors, or their staging) are checked
+  before anything is written, by one reduction per tensor into scratch made once (``copy_correct._finite_check``:
+  exact, an overflowing sum included; one read of the weights, where the update moves three), and the host branches:
+  a skipped update writes nothing (no version raised), a clean one is the unguarded update, bit for bit, with nothing
+  allocated. On a GPU the decision stays on the device (``copy_correct._nonfinite``: no value read back, every kernel
+  run whatever the flag holds), at the price of a flat staging copy of the live values (one copy of the weights) and
+  about 4x the update's time (H200, ``docs/gpu-results.md``): there it is opt-in (``skip_nonfinite=True``). The
+  warm-up counts applied updates only: the next clean update is made as if the skipped ones had never been.
+  ``update_every`` and ``start_step`` still count calls, skipped or not; ``num_updates`` counts updates made, skipped
+  ones too. ``skipped`` reads the count (on a GPU a sync, the reader's); ``state_dict`` saves it and the warm-up's
+  position. ``skip_nonfinite=True`` is refused for a model already non-finite at construction and a sharded one (each
+  rank would decide alone, and agreeing needs a collective per update); the default is then off (a non-finite model
+  warns once, naming the tensors).
 * ``average_weights(model)`` copies the average into the model for the block and the live values back on exit (an
   exception, ``KeyboardInterrupt`` included, too), bit for bit, through one backup of the live values per (device,
   dtype) group, allocated on entry and freed on exit (one copy of the model's weights: diffusers' ``store``/``restore``
@@ -112,11 +114,12 @@ from torch import nn
 from copy_correct._average_module import average_module
 from copy_correct._checks import device as checked_device
 from copy_correct._checks import flag, floating_dtype, integer, module
+from copy_correct._finite_check import FiniteCheck
 from copy_correct._flat import flat_views
 from copy_correct._foreach_writes import foreach_copy_, foreach_lerp_
 from copy_correct._model_changes import Entry, ModelWatch, changes
 from copy_correct._module_tensors import TensorRefs, state_entries, unwrap
-from copy_correct._nonfinite import NonFiniteGuard, refuse_nonfinite
+from copy_correct._nonfinite import NonFiniteGuard, guard_wanted
 from copy_correct._peer_calls import EMA_NAMES, missing, not_callable
 from copy_correct._sharding import from_local, is_sharded, layout, local, local_part, reshard
 from copy_correct._torch_internals import set_grad_enabled
@@ -167,9 +170,10 @@ class EMA:
             models, the model's dtype otherwise.
         device: where the shadow lives; ``None``: beside each model tensor. ``"cpu"`` keeps a GPU model's
             average in host memory (each update then waits for a device-to-host copy).
-        skip_nonfinite: skip, on the device, every update whose live values hold a NaN or an Inf, leaving the average
-            bit for bit as it was and the warm-up where it was; ``skipped`` counts them. Off by default: the update
-            takes about 3x as long (measured on CPU), and a staging copy of the weights is kept.
+        skip_nonfinite: skip every update whose live values hold a NaN or an Inf, leaving the average bit for bit as
+            it was and the warm-up where it was; ``skipped`` counts them. ``None`` (the default): on where it costs one
+            read of the weights (every shadow tensor on the CPU, unsharded, the model finite now), off on a GPU, where
+            the guard keeps a staging copy of the weights and about quadruples the update's time.
 
     Every argument is checked here, in one line naming it and what it takes: a value of the wrong type (a string for
     a number, a bool for an int, ``model.parameters()`` for the model) is a ``TypeError``, one out of range a
@@ -191,7 +195,7 @@ class EMA:
         include_buffers: bool = True,
         shadow_dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
-        skip_nonfinite: bool = False,
+        skip_nonfinite: bool | None = None,
     ) -> None:
         module("model", model)
         self.schedule = DecaySchedule(decay, warmup, warmup_power, warmup_gamma, warmup_offset, min_decay)
@@ -202,7 +206,6 @@ class EMA:
         self.include_buffers = flag("include_buffers", include_buffers)
         self.shadow_dtype = floating_dtype("shadow_dtype", shadow_dtype)
         self.device = checked_device("device", device) if device is not None else None
-        self.skip_nonfinite = flag("skip_nonfinite", skip_nonfinite)
         self.step = 0  # calls of update()
         self.num_updates = 0  # averaging updates made (the warm-up's k; under skip_nonfinite, skipped ones too)
         self._shadow: dict[str, torch.Tensor] = {}
@@ -215,11 +218,6 @@ class EMA:
                 f"device={device!r} is not supported for a sharded (FSDP2) model: leave device=None, each rank's "
                 "shadow then lives beside its shards"
             )
-        if self.sharded and skip_nonfinite:
-            raise ValueError(
-                "skip_nonfinite=True is not supported for a sharded (FSDP2) model: each rank sees only its shards, so "
-                "the ranks could decide differently and leave the average half updated"
-            )
         self._swap: _Swap | None = None  # set while average_weights holds the average in the model
         self._module: nn.Module | None = None  # the average as a module, made on the first read of ``module``
         self._watch = ModelWatch()
@@ -229,12 +227,18 @@ class EMA:
         if not any(group.average for group in self._groups):
             buffers = "parameters or buffers" if include_buffers else "parameters (include_buffers=False)"
             raise ValueError(f"model ({type(tracked).__name__}) has no floating {buffers}: nothing to average")
-        self._guard: NonFiniteGuard | None = None
-        if skip_nonfinite:
-            home = self._groups[0].shadows[0].device if self._groups else torch.device("cpu")
+        self.skip_nonfinite = guard_wanted(
+            skip_nonfinite,
+            "EMA",
+            sharded=self.sharded,
+            on_host=all(t.device.type == "cpu" for t in self._shadow.values()),
+            tensors={name: local(t) for name, t in self._shadow.items()},
+        )
+        self._guard: NonFiniteGuard | FiniteCheck | None = None
+        if self.skip_nonfinite:
+            home = self._groups[0].shadows[0].device
             self._skipped = torch.zeros((), dtype=torch.float64, device=home)  # updates skipped
             self._applied = torch.zeros((), dtype=torch.float64, device=home)  # averaging updates applied: the k
-            refuse_nonfinite({name: local(t) for name, t in self._shadow.items()})
             self._arm()
 
     # -- construction -------------------------------------------------------------------------------
@@ -270,8 +274,8 @@ class EMA:
                 group.live.append(live, owner)
                 group.names.append(name)
                 group.parameters.append(owner is None)
-                if (shadow.dtype != live.dtype or shadow.device != live.device) and not self.skip_nonfinite:
-                    group.staging.append(torch.empty_like(shadow))  # the guard stages every group itself
+                if shadow.dtype != live.dtype or shadow.device != live.device:
+                    group.staging.append(torch.empty_like(shadow))
         if given is not None:
             untracked = sorted(set(given) - set(shadows))
             if untracked:
@@ -384,10 +388,18 @@ class EMA:
         self._arm()
 
     def _arm(self) -> None:
-        """Under ``skip_nonfinite``, the guard's scratch for the groups (built with them; the counters are kept)."""
-        if self.skip_nonfinite:
-            groups = [(group.shadows, group.average) for group in self._groups]
-            self._guard = NonFiniteGuard(groups, self._skipped, self._applied)
+        """Under ``skip_nonfinite``, the guard for the groups (built with them; the counters are kept): on the CPU a
+        ``FiniteCheck`` of the values each update averages (the shadows' shapes and dtypes), elsewhere a
+        ``NonFiniteGuard``, which stages every group itself (the groups' own staging is freed)."""
+        if not self.skip_nonfinite:
+            return
+        if all(t.device.type == "cpu" for group in self._groups for t in group.shadows):
+            self._guard = FiniteCheck([group.shadows for group in self._groups if group.average])
+            return
+        for group in self._groups:
+            group.staging = []
+        groups = [(group.shadows, group.average) for group in self._groups]
+        self._guard = NonFiniteGuard(groups, self._skipped, self._applied)
 
     def __getstate__(self) -> dict[str, Any]:
         """What ``pickle`` and ``copy.deepcopy`` copy: the settings, the counters and the shadow (new storage in the
@@ -458,7 +470,8 @@ class EMA:
         ``model`` defaults to the one given at construction (passing it wrapped in DDP or
         ``torch.compile`` is fine). Inside ``average_weights`` it raises, and so it does when the model changed since
         the EMA was built (``_check_model``, run when any module registered a tensor since the last check). Under
-        ``skip_nonfinite``, live values holding a NaN or an Inf leave the shadow as it was, decided on the device.
+        ``skip_nonfinite``, live values holding a NaN or an Inf leave the shadow as it was (decided on the host for a
+        CPU shadow, before anything is written; on the device otherwise).
         ``step`` (timm's ``update(model, step=n)``) is accepted when it is this call's number, ``ema.step + 1``: the
         EMA counts its own calls, and the schedule (``peer_schedules.timm_schedule``) reads them.
         """
@@ -484,25 +497,43 @@ class EMA:
         grad_was_enabled = torch.is_grad_enabled()
         set_grad_enabled(False)  # a `with torch.no_grad()` block costs more than a small model's update
         try:
-            if self._guard is not None:
+            if isinstance(self._guard, NonFiniteGuard):
                 for index, group in enumerate(self._groups):
                     foreach_copy_(self._guard.staging(index), self._checked_lives(group))
                 self._guard.update(copy, self.schedule)
             else:
-                weight = 1.0 - self.decay_at(self.num_updates)
-                for group in self._groups:
-                    lives = self._checked_lives(group)
-                    if group.staging:
-                        foreach_copy_(group.staging, lives)
-                        lives = group.staging
-                    if group.average and not copy:
-                        foreach_lerp_(group.shadows, lives, weight)
-                    else:
-                        foreach_copy_(group.shadows, lives)
+                self._average(copy)
         finally:
             set_grad_enabled(grad_was_enabled)
         if not copy:
             self.num_updates += 1
+
+    def _average(self, copy: bool) -> None:
+        """The update, decided on the host under a ``FiniteCheck`` (a CPU shadow): the values averaged (staged into
+        the shadow's dtype and device where they differ) are checked before anything is written, and a non-finite one
+        skips the update whole, writing nothing (no version raised) and counting it in ``skipped``."""
+        values = []
+        for group in self._groups:
+            lives = self._checked_lives(group)
+            if group.staging:
+                foreach_copy_(group.staging, lives)
+                lives = group.staging
+            values.append(lives)
+        k = self.num_updates
+        if self._guard is not None:
+            averaged = [lives for group, lives in zip(self._groups, values, strict=True) if group.average]
+            if not self._guard.finite(averaged):
+                self._skipped.add_(1.0)
+                return
+            k = int(self._applied)
+            if not copy:
+                self._applied.add_(1.0)
+        weight = 1.0 - self.decay_at(k)
+        for group, lives in zip(self._groups, values, strict=True):
+            if group.average and not copy:
+                foreach_lerp_(group.shadows, lives, weight)
+            else:
+                foreach_copy_(group.shadows, lives)
 
     @property
     def skipped(self) -> int:

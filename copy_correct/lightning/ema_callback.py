@@ -33,9 +33,10 @@ reaches the average.
   trains on from the average (Lightning warns that the checkpoint's callback is missing).
 * Checkpoints hold the EMA state (callback state, tensors and numbers only: loads with
   ``weights_only=True``); resuming restores it, so a resumed run continues the same average.
-* ``skip_nonfinite=True``: an update whose live weights or floating buffers hold a NaN or an Inf is skipped on the
-  device (``copy_correct.ema``); the count is logged as ``ema/skipped`` at the end of each training epoch, read
-  once per epoch (a sync), never per step.
+* ``skip_nonfinite`` (on by default where it costs one read of the weights: a CPU shadow; ``copy_correct.ema``): an
+  update whose live weights or floating buffers hold a NaN or an Inf is skipped, the average kept bit for bit; the
+  count is logged as ``ema/skipped`` at the end of each training epoch, read once per epoch (on a GPU a sync), never
+  per step, and the first epoch that skips warns once (``copy_correct.lightning._skip_log``).
 * Whenever a checkpoint is saved, it holds the same thing: a save during an EMA pass (``ModelCheckpoint`` on
   validation end, a mid-epoch validation, a callback or module hook calling ``trainer.save_checkpoint``, weights-only
   ones included) steps out of the pass: the live weights are copied back for the save and the average in after it,
@@ -97,6 +98,7 @@ from copy_correct.lightning._lightning_internals import (
     unsupported,
 )
 from copy_correct.lightning._rank_zero_buffers import RankZeroBuffers
+from copy_correct.lightning._skip_log import SkipLog
 
 __all__ = ["EMACallback"]
 
@@ -127,7 +129,7 @@ class EMACallback(pl.Callback):
         include_buffers: bool = True,
         shadow_dtype: torch.dtype | None = None,
         device: str | None = None,
-        skip_nonfinite: bool = False,
+        skip_nonfinite: bool | None = None,
         evaluate: str = "both",
         suffix: str = "_ema",
         checkpoint_weights: str = "ema",
@@ -166,6 +168,7 @@ class EMACallback(pl.Callback):
         self._pass: _EMAPass | None = None  # the EMA evaluation in progress
         self._trainer: pl.Trainer | None = None
         self._broadcast = RankZeroBuffers()
+        self._skips = SkipLog("ema/skipped", "EMA")
 
     @property
     def state_key(self) -> str:
@@ -303,10 +306,10 @@ class EMACallback(pl.Callback):
             ema.update(pl_module)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Log how many updates ``skip_nonfinite`` skipped so far: one read of the device counter per epoch. Every
-        rank counts the same (the same parameters, rank 0's buffers), so rank 0 logs it."""
+        """Log how many updates ``skip_nonfinite`` skipped so far (``SkipLog``: one read of the counter per epoch, one
+        warning the first time an epoch skips)."""
         if self.ema is not None and self.ema.skip_nonfinite:
-            pl_module.log("ema/skipped", float(self.ema.skipped), on_step=False, on_epoch=True, rank_zero_only=True)
+            self._skips.epoch_end(pl_module, self.ema.skipped)
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.ema_weights_at_end and self.ema is not None:
@@ -376,6 +379,7 @@ class EMACallback(pl.Callback):
             if names_keys(state.get("shadow")):
                 state = self._read_distributed_checkpoint(ema, state)
             ema.load_state_dict(state)
+            self._skips.resumed(int(state.get("skipped", 0)))
         except ValueError as err:
             raise CheckpointMismatch(str(err)) from err
 

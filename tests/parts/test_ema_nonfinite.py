@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from copy_correct import EMA
+from copy_correct._finite_check import FiniteCheck
 from copy_correct.probes import CopyAudit, MemoryProbe
 from tests.conftest import DEVICES
 from tests.cuda_sync import no_host_sync
@@ -119,7 +120,8 @@ def test_clean_guarded_updates_are_the_plain_ones(device: str) -> None:
     """Without a poisoned step the guard changes nothing: the same lerp, with the warm-up weight computed on the device
     (bit for bit on CPU; CUDA's pow may differ from the host's in a double's last bit)."""
     plain_model, guarded_model = net(device), net(device)
-    plain, guarded = EMA(plain_model, decay=0.99), EMA(guarded_model, decay=0.99, skip_nonfinite=True)
+    plain = EMA(plain_model, decay=0.99, skip_nonfinite=False)
+    guarded = EMA(guarded_model, decay=0.99, skip_nonfinite=True)
     for step in range(30):
         for model, ema in ((plain_model, plain), (guarded_model, guarded)):
             train_step(model, step)
@@ -145,7 +147,7 @@ def test_a_low_precision_model_is_staged_checked_and_averaged_in_float32() -> No
     assert runs["guarded"].shadow["0.weight"].dtype == torch.float32
     assert same_bits(bits(runs["guarded"].shadow), bits(runs["never poisoned"].shadow))
     plain_model = net(dtype=torch.bfloat16)
-    plain = EMA(plain_model, decay=0.9)
+    plain = EMA(plain_model, decay=0.9, skip_nonfinite=False)
     for step in range(6):
         train_step(plain_model, step)
         plain.update(plain_model)
@@ -196,17 +198,22 @@ def test_start_step_copies_and_update_every_hold_and_the_warmup_restarts_where_i
     assert all(torch.equal(ema.shadow[k], live[k]) for k in live)
     assert (ema.step, ema.num_updates, ema.skipped) == (6, 2, 2)
 
-    control = EMA(net(), decay=0.999, start_step=2, update_every=3)
+    control = EMA(net(), decay=0.999, start_step=2, update_every=3, skip_nonfinite=False)
     update_poisoned(control, control.live_model, "buffer", float("nan"))
     assert control.shadow["1.running_var"].isnan().any()  # the control: the copy copies the NaN
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_guarded_update_allocates_nothing_and_raises_each_version_once(device: str) -> None:
+def test_a_guarded_update_allocates_nothing_and_writes_only_when_it_averages(device: str) -> None:
+    """Zero bytes allocated by a clean update and by a skipped one, and no tensor made even inside a kernel (a
+    reduction to one element of a large tensor allocates its per-thread buffer: ``copy_correct._finite_check``). A
+    clean update raises each shadow tensor's version by one; a skipped one writes nothing on the CPU (decided on the
+    host), and on CUDA runs every kernel with the flag (each version +1)."""
     model = net(device)
+    model.register_parameter("large", nn.Parameter(torch.randn(300, 300, device=device)))  # 90,000 elements
     ema = EMA(model, decay=0.99, skip_nonfinite=True)
     ema.update(model)
-    for value in (0.5, float("nan")):  # a clean update, then a skipped one
+    for value, written in ((0.5, 1), (float("nan"), 0 if device == "cpu" else 1)):  # a clean update, a skipped one
         versions = {k: v._version for k, v in ema.shadow.items()}
         with torch.no_grad():
             model[0].weight[0, 0] = value
@@ -214,7 +221,7 @@ def test_a_guarded_update_allocates_nothing_and_raises_each_version_once(device:
             ema.update(model)
         assert audit.bytes_allocated == 0, audit.summary()
         assert memory.peak_bytes == 0, memory.report()
-        assert all(v._version == versions[k] + 1 for k, v in ema.shadow.items())
+        assert all(v._version == versions[k] + written for k, v in ema.shadow.items())
         with torch.autograd.profiler.profile() as profile:
             ema.update(model)
         assert not {event.name for event in profile.function_events} & MAKERS
@@ -224,6 +231,43 @@ def test_a_guarded_update_allocates_nothing_and_raises_each_version_once(device:
     with MemoryProbe(device) as control, torch.autograd.profiler.profile() as profile:
         assert not all(bool(torch.isfinite(t).all()) for t in model.state_dict().values() if t.is_floating_point())
     assert control.peak_bytes > 0 and {event.name for event in profile.function_events} & MAKERS
+
+
+def test_the_decision_is_what_guards(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mutation control: with the check's answer forced to "finite", the same poisoned update poisons the average,
+    so the tests above fail without the decision."""
+    monkeypatch.setattr(FiniteCheck, "finite", lambda self, groups: True)
+    model = net()
+    ema = EMA(model, decay=0.9, skip_nonfinite=True)
+    update_poisoned(ema, model, "parameter", float("nan"))
+    assert ema.shadow["0.weight"].isnan().any() and ema.skipped == 0
+
+
+def test_the_guard_is_on_by_default_for_a_cpu_average() -> None:
+    model = net()
+    ema = EMA(model, decay=0.9)
+    assert ema.skip_nonfinite and isinstance(ema._guard, FiniteCheck)
+    before = bits(ema.shadow)
+    update_poisoned(ema, model, "buffer", -float("inf"))
+    assert same_bits(bits(ema.shadow), before) and ema.skipped == 1
+    assert not EMA(model, skip_nonfinite=False).skip_nonfinite
+    with pytest.raises(TypeError, match=r"skip_nonfinite must be True, False or None .*got str 'yes'"):
+        EMA(model, skip_nonfinite="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_guard_is_opt_in_on_cuda_and_on_for_a_cpu_shadow_of_a_cuda_model() -> None:
+    """On CUDA the guard stages a copy of the weights on the device (about 4x the update on an H200): off by default.
+    A CPU shadow of a CUDA model is checked on the host after the device-to-host copy the update makes anyway."""
+    model = net("cuda")
+    assert not EMA(model).skip_nonfinite
+    assert EMA(model, skip_nonfinite=True).skip_nonfinite
+    on_host = EMA(model, device="cpu")
+    assert on_host.skip_nonfinite and isinstance(on_host._guard, FiniteCheck)
+    before = bits(on_host.shadow)
+    update_poisoned(on_host, model, "parameter", float("nan"))
+    assert same_bits(bits(on_host.shadow), before) and on_host.skipped == 1
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -248,7 +292,7 @@ def test_skipped_and_the_warmup_position_round_trip_through_state_dict(device: s
     old = {k: v for k, v in state.items() if k not in ("skipped", "applied_updates")}  # saved without the guard
     restored.load_state_dict(old)
     assert restored.skipped == 0 and int(restored._applied) == 8
-    unguarded = EMA(net(device), decay=0.99)
+    unguarded = EMA(net(device), decay=0.99, skip_nonfinite=False)
     unguarded.load_state_dict(state)
     assert unguarded.skipped == 0 and "skipped" not in unguarded.state_dict()
 
@@ -265,12 +309,16 @@ def test_a_copy_keeps_the_count_and_skips_once_given_the_model() -> None:
     assert ema.skipped == 1
 
 
-def test_a_model_that_is_not_finite_at_construction_is_refused() -> None:
+def test_a_model_that_is_not_finite_at_construction_is_refused_or_left_unguarded() -> None:
     model = net()
     model.register_buffer("mask", torch.full((4,), -float("inf")))
     with pytest.raises(ValueError, match=r"skip_nonfinite=True, but the model's \['mask'\] hold NaN or Inf"):
         EMA(model, skip_nonfinite=True)
-    assert EMA(model).skipped == 0  # without the guard nothing is checked, nothing counted
+    with pytest.warns(RuntimeWarning, match=r"EMA: skip_nonfinite is off: the model's \['mask'\] hold NaN or Inf"):
+        ema = EMA(model)  # the default: off, said once
+    assert not ema.skip_nonfinite and ema.skipped == 0
+    ema.update(model)  # without the guard nothing is checked, nothing counted
+    assert ema.skipped == 0
 
 
 @pytest.mark.gpu
