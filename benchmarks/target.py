@@ -15,8 +15,8 @@ value_network_update_interval=0).step()`` (an interval of 0 copies on every call
 DQN example, PyTorch's DQN tutorial); a bare ``_foreach_copy_`` per dtype over prebuilt lists (the same calls
 as ours, without our bookkeeping), and one ``_foreach_copy_`` over a list that mixes dtypes.
 
-Both with ``skip_nonfinite=True`` too: the update skipped on the device when an online value is NaN or Inf (its
-``time / ours`` is the guard's cost).
+Both with ``skip_nonfinite=True`` too: the update skipped when an online value is NaN or Inf, decided on the host
+before writing for a CPU target, on the device for a GPU one (its ``time / ours`` is the guard's cost).
 
 Soft (Polyak, tau = 0.005): ``copy_correct.soft_update``; SB3's ``polyak_update(params, target_params, tau)`` and
 the running statistics copied with ``tau=1.0``, as SB3's ``DQN`` does; TorchRL's ``SoftUpdate(loss, tau=tau)

@@ -1,8 +1,9 @@
 """``hard_update`` / ``soft_update`` with ``skip_nonfinite=True``: a NaN or an Inf in the online weights or floating
 buffers leaves the target bit for bit as it was (``-0.0`` entries included), and the next clean updates end where
-they would have without the poisoned one, decided on the device with nothing allocated per update after the first.
-Each claim has its control: without the guard one such update poisons the target (a soft update keeps the NaN for
-good, since every later average reads it)."""
+they would have without the poisoned one, with nothing allocated per update after the first: decided on the host
+before anything is written for a CPU target (a skipped update writes nothing), on the device for a CUDA one. Each claim
+has its control: without the guard one such update poisons the target (a soft update keeps the NaN for good, since
+every later average reads it), and with the CPU check's answer forced to "finite" the guarded update poisons it too."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from copy_correct import hard_update, make_target, skipped_updates, soft_update
+from copy_correct._finite_check import FiniteCheck
 from copy_correct.probes import CopyAudit, MemoryProbe
 from tests.conftest import DEVICES
 from tests.cuda_sync import no_host_sync
@@ -105,21 +107,28 @@ def test_clean_guarded_updates_are_the_plain_ones(device: str, tau: float) -> No
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_guarded_update_allocates_nothing_after_the_first_and_raises_each_version_once(device: str) -> None:
+@pytest.mark.parametrize("tau", [TAU, 1.0], ids=["soft", "hard"])
+def test_a_guarded_update_allocates_nothing_after_the_first_and_raises_each_version_as_it_writes(
+    device: str, tau: float
+) -> None:
+    """A clean update raises every version by one. A skipped one on the CPU writes nothing, so no version moves (a
+    backward through a target tensor saved before it stays valid: its values are the same); on CUDA the device guard
+    writes every tensor whatever it decides, and raises each version by one as well."""
     online = net(device)
     target = make_target(online)
-    soft_update(target, online, TAU, skip_nonfinite=True)  # the first builds the guard's scratch
+    update(target, online, tau, True)  # the first builds the guard's scratch
     for value in (0.5, float("nan")):  # a clean update, then a skipped one
         versions = {k: v._version for k, v in target.state_dict().items()}
         with torch.no_grad():
             online[0].weight[0, 0] = value
         with CopyAudit() as audit, MemoryProbe(device) as memory:
-            soft_update(target, online, TAU, skip_nonfinite=True)
+            update(target, online, tau, True)
         assert audit.bytes_allocated == 0, audit.summary()
         assert memory.peak_bytes == 0, memory.report()
-        assert all(v._version == versions[k] + 1 for k, v in target.state_dict().items())
+        raised = 0 if device == "cpu" and value != 0.5 else 1
+        assert all(v._version == versions[k] + raised for k, v in target.state_dict().items())
         with torch.autograd.profiler.profile() as profile:
-            soft_update(target, online, TAU, skip_nonfinite=True)
+            update(target, online, tau, True)
         assert not {event.name for event in profile.function_events} & MAKERS
     assert skipped_updates(target) == 2
 
@@ -143,6 +152,42 @@ def test_the_guard_follows_tensors_that_to_replaces_and_keeps_its_count() -> Non
     hard_update(target, online, skip_nonfinite=True)
     assert skipped_updates(target) == 1
     assert same_bits(bits(target.state_dict()), bits(online.state_dict()))
+
+
+@pytest.mark.parametrize("tau", [TAU, 1.0], ids=["soft", "hard"])
+def test_the_cpu_check_is_what_guards_a_forced_finite_answer_lets_the_poison_in(
+    tau: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mutation control of the CPU path: the same poisoned update, guarded, with ``FiniteCheck.finite`` answering
+    "finite" whatever it reads, poisons the target and counts no skip; with the real check it skips."""
+    runs = {}
+    for name in ("guarded", "check forced"):
+        online = net()
+        target = make_target(online)
+        update(target, online, tau, True)  # the guard built
+        if name == "check forced":
+            monkeypatch.setattr(FiniteCheck, "finite", lambda self, groups: True)
+        poisoned(online, "parameter", float("nan"))
+        update(target, online, tau, True)
+        monkeypatch.undo()
+        runs[name] = target
+    assert torch.isfinite(runs["guarded"][0].weight).all() and skipped_updates(runs["guarded"]) == 1
+    assert torch.isnan(runs["check forced"][0].weight.view(-1)[3]) and skipped_updates(runs["check forced"]) == 0
+
+
+def test_finite_weights_whose_sum_overflows_are_not_skipped() -> None:
+    """The CPU check sums each tensor; a sum that overflows to Inf over finite values is read again exactly, so the
+    update is made. The control: the same weights with one Inf are skipped."""
+    for value, skips in ((3e38, 0), (float("inf"), 1)):
+        online = net()
+        target = make_target(online)
+        with torch.no_grad():
+            online[0].weight.fill_(3e38)  # finite, and their float32 sum is Inf
+            online[0].weight.view(-1)[5] = value
+        assert torch.isinf(online[0].weight.sum())
+        hard_update(target, online, skip_nonfinite=True)
+        assert skipped_updates(target) == skips
+        assert torch.equal(target[0].weight, online[0].weight) == (skips == 0)
 
 
 def test_a_dropped_target_frees_its_guard() -> None:
