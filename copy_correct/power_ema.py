@@ -10,8 +10,9 @@ Copy contract:
 * ``update()`` writes into the profiles in place under ``torch.no_grad()``: per (device, dtype) group, one
   ``torch._foreach_lerp_`` per profile for the floating tensors (parameters and floating buffers) and one
   ``torch._foreach_copy_`` per profile for integer buffers. It allocates nothing and reads nothing back from a
-  device: ``beta`` is a Python float computed on the host from the host's step counters. Each write raises the
-  profile tensors' versions by one on every device (``copy_correct._foreach_writes``).
+  device: ``beta`` is a Python float computed on the host from the host's step counters (under ``skip_nonfinite`` on
+  the CPU, from the applied step, a CPU tensor's value). Each write raises the profile tensors' versions by one on
+  every device (``copy_correct._foreach_writes``); an update skipped on the CPU writes nothing (``skip_nonfinite``).
 * A float16/bfloat16 model gets float32 profiles (``profile_dtype=None``); a group whose profile dtype differs from the
   model's keeps one staging copy of its live tensors in the profile dtype, allocated once and shared by the profiles.
 * ``beta`` for an update at optimizer step ``t`` whose previous update was at step ``p`` is
@@ -30,25 +31,33 @@ Copy contract:
 * ``state_dict()`` holds the counters and the profiles' own tensors (aliased, like ``Module.state_dict``: save it
   before the next update); ``load_state_dict`` copies into them in place, so a resumed run continues the profiles and
   the snapshot schedule bit for bit. Both load with ``weights_only=True``.
-* ``skip_nonfinite=True`` (off by default): an update whose live parameters or floating buffers hold any NaN or Inf
-  leaves every profile bit for bit as it was (``-0.0`` entries and integer buffers included), decided on the device
-  as ``EMA(skip_nonfinite=True)`` does (``copy_correct._nonfinite``): no value read back, nothing allocated per
-  update, one flat staging copy of the live values (in the profiles' dtype) and one finite check per update, shared
-  by all profiles. A skipped update is an update that did not happen: the step of the last *applied* update is kept
-  on the device, and the next good update at step ``t`` uses ``beta = (applied / t) ** (gamma + 1)``, computed on the
-  device in float64 with ``betas``' operations (bit for bit the host's on CPU). So each profile is exactly the power
-  EMA of the weights of the applied updates, each standing for the steps since the one before: the weights of a
-  skipped update's steps are replaced by those of the next applied update (at ``update_every=N``, a skipped sample
-  merges into the next, as if ``update_every`` were ``2N`` there). ``step``, ``update_every`` and
-  ``snapshot_every`` count calls, skipped or not; ``updated_step`` is the last update made, skipped or not;
-  ``applied_step`` and ``skipped`` read the device (a sync, the reader's). A snapshot's ``step`` is the applied step
-  (read from the device: a snapshot syncs anyway; one taken with nothing applied since the last rewrites that file,
-  the same profiles under the same name), so ``synthesize``'s power-function response stays exact: it
-  reconstructs the post-hoc EMA of that trajectory, no approximation added; against a run with nothing skipped, a
-  skipped update at step ``s`` after an applied one at ``p`` moves the share ``(s ** (g+1) - p ** (g+1)) / t ** (g+1)``
-  of a profile at step ``t`` from the weights of step ``s`` to those of the next applied update. The snapshot also
-  records ``skipped`` (the count so far); ``state_dict`` saves ``skipped`` and ``applied_step``. A model non-finite at
-  construction, and a sharded one (each rank would decide alone), are refused.
+* ``skip_nonfinite``: an update whose live parameters or floating buffers hold any NaN or Inf leaves every profile
+  bit for bit as it was (``-0.0`` entries and integer buffers included), decided once per update for all profiles.
+  On by default where it costs one read of the weights: every profile on the CPU (and the model finite at
+  construction). There the live values (staged into the profiles' dtype where they differ, as without the guard) are
+  checked on the host before anything is written, one reduction per tensor into scratch made once, exact, a finite
+  tensor whose sum overflows included (``copy_correct._finite_check``): nothing allocated per update, and a skipped
+  update writes nothing, so the profiles' versions stay; a clean one is the unguarded update, bit for bit. On CUDA it
+  is opt-in (``skip_nonfinite=True``): decided on the device as ``EMA`` does there (``copy_correct._nonfinite``: no
+  value read back, nothing allocated per update, every kernel run whatever the flag holds, each version raised by one
+  either way), with one flat staging copy of the live values in the profiles' dtype, shared by all profiles; that
+  staging made the guarded update 4.3x the plain one on an H200. A skipped update is an update that did not happen:
+  the step of the last *applied* update is kept (a 0-dim float64 tensor beside the profiles), and the next good update
+  at step ``t`` uses ``beta = (applied / t) ** (gamma + 1)``: on the CPU ``betas(t, applied)`` itself, on CUDA
+  computed on the device in float64 with ``betas``' operations. So each profile is exactly the power EMA of the
+  weights of the applied updates, each standing for the steps since the one before: the weights of a skipped
+  update's steps are replaced by those of the next applied update (at ``update_every=N``, a skipped sample merges
+  into the next, as if ``update_every`` were ``2N`` there). ``step``, ``update_every`` and ``snapshot_every`` count
+  calls, skipped or not; ``updated_step`` is the last update made, skipped or not; ``applied_step`` and ``skipped``
+  read the counters (on a GPU a sync, the reader's). A snapshot's ``step`` is the applied step (one taken with nothing
+  applied since the last rewrites that file, the same profiles under the same name), so ``synthesize``'s
+  power-function response stays exact: it reconstructs the post-hoc EMA of that trajectory, no approximation added;
+  against a run with nothing skipped, a skipped update at step ``s`` after an applied one at ``p`` moves the share
+  ``(s ** (g+1) - p ** (g+1)) / t ** (g+1)`` of a profile at step ``t`` from the weights of step ``s`` to those of
+  the next applied update. The snapshot also records ``skipped`` (the count so far); ``state_dict`` saves ``skipped``
+  and ``applied_step``. ``skip_nonfinite=True`` is refused for a model non-finite at construction and for a sharded
+  one (each rank would decide alone); the default is then off (with a warning naming the non-finite tensors), and
+  off for a sharded model.
 
 Sharded models (FSDP2: every parameter a ``DTensor``, each rank holding its shard; ``sharded`` is True):
 
@@ -77,10 +86,11 @@ from torch import nn
 
 from copy_correct._atomic_save import atomic_save
 from copy_correct._checks import flag, floating_dtype, integer, module, real, shown
+from copy_correct._finite_check import FiniteCheck
 from copy_correct._foreach_writes import foreach_copy_, foreach_lerp_
 from copy_correct._model_changes import Entry, ModelWatch, changes
 from copy_correct._module_tensors import TensorRefs, state_entries, unwrap
-from copy_correct._nonfinite import ProfilesGuard, refuse_nonfinite
+from copy_correct._nonfinite import ProfilesGuard, guard_wanted
 from copy_correct._peer_calls import POWER_EMA_NAMES, missing, not_callable
 from copy_correct._sharding import from_local, is_sharded, layout, local, local_part, reshard
 from copy_correct._torch_internals import set_grad_enabled
@@ -159,9 +169,13 @@ class PowerEMA:
         include_buffers: average floating buffers and copy integer ones; ``False``: parameters only.
         profile_dtype: dtype of the profiles' floating tensors; ``None``: float32 for float16/bfloat16 models, the
             model's dtype otherwise.
-        skip_nonfinite: skip, on the device, every update whose live values hold a NaN or an Inf, leaving every
-            profile bit for bit as it was; the next good update is made as if the skipped one had never been.
-            ``skipped`` counts them. Off by default: a staging copy of the weights is kept and the update costs more.
+        skip_nonfinite: skip every update whose live values hold a NaN or an Inf, leaving every profile bit for bit
+            as it was; the next good update is made as if the skipped one had never been. ``skipped`` counts them.
+            ``None`` (the default): on where every profile is on the CPU, there checked on the host with one
+            reduction per tensor, exact, overflow included (``copy_correct._finite_check``), and a skipped update
+            writes nothing (the versions stay); off on CUDA, where ``True`` decides on the device from a staging copy
+            of the weights (measured 4.3x the plain update on an H200), off for a sharded model, and off, with a
+            warning, for a model holding a NaN or an Inf now. ``True`` is refused for the last two.
 
     Every argument is checked here, in one line naming it and what it takes: a value of the wrong type (a string for
     a number, one number for ``sigma_rels``, a bool for an int, ``model.parameters()`` for the model) is a
@@ -179,7 +193,7 @@ class PowerEMA:
         snapshot_dir: str | os.PathLike[str] | None = None,
         include_buffers: bool = True,
         profile_dtype: torch.dtype | None = None,
-        skip_nonfinite: bool = False,
+        skip_nonfinite: bool | None = None,
     ) -> None:
         module("model", model)
         sigma_rels = _sigma_rels(sigma_rels)
@@ -199,16 +213,10 @@ class PowerEMA:
         self.snapshot_dir = Path(snapshot_dir) if snapshot_dir is not None else None
         self.step = 0  # optimizer steps seen (update() calls)
         self.updated_step = 0  # the step of the last averaging update: the profiles hold weights of steps 1..this
-        self.skip_nonfinite = flag("skip_nonfinite", skip_nonfinite)
         self.include_buffers = flag("include_buffers", include_buffers)
         self.profile_dtype = floating_dtype("profile_dtype", profile_dtype)
         self._model: nn.Module | None = unwrap(model)
         self.sharded = any(is_sharded(p) for p in self._model.parameters())
-        if self.sharded and skip_nonfinite:
-            raise ValueError(
-                "skip_nonfinite=True is not supported for a sharded (FSDP2) model: each rank sees only its shards, so "
-                "the ranks could decide differently and leave the profiles half updated"
-            )
         self.profiles: list[dict[str, torch.Tensor]] = [{} for _ in sigma_rels]
         self._groups = self._build()
         self._entries = self._entries_of(self._model)
@@ -216,19 +224,34 @@ class PowerEMA:
         if not any(group.average for group in self._groups):
             buffers = "parameters or buffers" if include_buffers else "parameters (include_buffers=False)"
             raise ValueError(f"model ({type(self._model).__name__}) has no floating {buffers}: nothing to average")
-        self._guard: ProfilesGuard | None = None
-        if skip_nonfinite:
-            home = self._groups[0].profiles[0][0].device if self._groups else torch.device("cpu")
+        self.skip_nonfinite = guard_wanted(
+            skip_nonfinite,
+            "PowerEMA",
+            sharded=self.sharded,
+            on_host=all(t.device.type == "cpu" for profile in self.profiles for t in profile.values()),
+            tensors={name: local(t) for name, t in self.profiles[0].items()},
+        )
+        self._guard: ProfilesGuard | FiniteCheck | None = None
+        if self.skip_nonfinite:
+            home = self._groups[0].profiles[0][0].device
             self._skipped = torch.zeros((), dtype=torch.float64, device=home)  # updates skipped
             self._applied_step = torch.zeros((), dtype=torch.float64, device=home)  # the last applied update's step
-            refuse_nonfinite(self.profiles[0])
             self._arm()
 
     def _arm(self) -> None:
-        """Under ``skip_nonfinite``, the guard's scratch for the groups (built with them; the counters are kept)."""
-        if self.skip_nonfinite:
-            groups = [(group.profiles, group.average) for group in self._groups]
-            self._guard = ProfilesGuard(groups, self.gammas, self._skipped, self._applied_step)
+        """Under ``skip_nonfinite``, the guard for the groups (built with them; the counters are kept): with every
+        profile on the CPU a ``FiniteCheck`` of the values each update averages (the first profile's shapes and dtypes:
+        one check shared by all profiles), elsewhere a ``ProfilesGuard``, which stages every group itself (the groups'
+        own staging is freed)."""
+        if not self.skip_nonfinite:
+            return
+        if all(t.device.type == "cpu" for group in self._groups for profile in group.profiles for t in profile):
+            self._guard = FiniteCheck([group.profiles[0] for group in self._groups if group.average])
+            return
+        for group in self._groups:
+            group.staging = []
+        groups = [(group.profiles, group.average) for group in self._groups]
+        self._guard = ProfilesGuard(groups, self.gammas, self._skipped, self._applied_step)
 
     def _build(self, existing: list[dict[str, torch.Tensor]] | None = None) -> list[_Group]:
         """The groups of the tracked model's tensors, each with its profiles' tensors: new copies of the live ones,
@@ -265,7 +288,7 @@ class PowerEMA:
                     shard = existing[k][name] if existing is not None else local(live).to(dtype=dtype, copy=True)
                     profile[name] = from_local(shard, live) if is_sharded(live) else shard
                     tensors.append(shard)
-                if (dtype, device) != (live.dtype, live.device) and not self.skip_nonfinite:  # the guard stages itself
+                if (dtype, device) != (live.dtype, live.device):  # freed by _arm for a ProfilesGuard (it stages)
                     group.staging.append(torch.empty(local(live).shape, dtype=dtype, device=device))
         return list(groups.values())
 
@@ -363,46 +386,72 @@ class PowerEMA:
         self.step += 1
         if self.step % self.update_every:
             return
-        weights = [1.0 - beta for beta in self.betas(self.step, self.updated_step)]
         grad_was_enabled = torch.is_grad_enabled()
         set_grad_enabled(False)
         try:
-            for index, group in enumerate(self._groups):
-                lives = group.live.resolve()
-                if lives[0].device != group.live_device or lives[0].dtype != group.live_dtype:
-                    raise RuntimeError(
-                        f"the model moved from {group.live_device}/{group.live_dtype} to {lives[0].device}/"
-                        f"{lives[0].dtype} after the PowerEMA was created: create it after model.to(...)"
-                    )
-                if self._guard is not None:
-                    foreach_copy_(self._guard.staging(index), [local(t) for t in lives])
-                    continue
-                if group.staging:
-                    foreach_copy_(group.staging, lives)
-                    lives = group.staging
-                for profile, weight in zip(group.profiles, weights, strict=True):
-                    if group.average:
-                        foreach_lerp_(profile, lives, weight)
-                    else:
-                        foreach_copy_(profile, lives)
-            if self._guard is not None:
+            if isinstance(self._guard, ProfilesGuard):
+                for index, group in enumerate(self._groups):
+                    foreach_copy_(self._guard.staging(index), self._checked_lives(group))
                 self._guard.update_profiles(self.step)
+            else:
+                self._average()
         finally:
             set_grad_enabled(grad_was_enabled)
         self.updated_step = self.step
         if self.snapshot_every is not None and self.step % self.snapshot_every == 0:
             self.save_snapshot(self.snapshot_dir)
 
+    @staticmethod
+    def _checked_lives(group: _Group) -> list[torch.Tensor]:
+        """The group's live tensors now (this rank's shards when sharded), refused if the model moved."""
+        lives = group.live.resolve()
+        if lives[0].device != group.live_device or lives[0].dtype != group.live_dtype:
+            raise RuntimeError(
+                f"the model moved from {group.live_device}/{group.live_dtype} to {lives[0].device}/"
+                f"{lives[0].dtype} after the PowerEMA was created: create it after model.to(...)"
+            )
+        return lives
+
+    def _average(self) -> None:
+        """The update, unguarded or decided on the host under a ``FiniteCheck`` (every profile on the CPU): the values
+        averaged (staged into the profiles' dtype and device where they differ) are checked once, for all profiles,
+        before anything is written, and a non-finite one skips the update whole, writing nothing (no version raised)
+        and counting it in ``skipped``. A good one is the unguarded update, ``beta`` spanning from the last applied
+        step."""
+        values = []
+        for group in self._groups:
+            lives = self._checked_lives(group)
+            if group.staging:
+                foreach_copy_(group.staging, lives)
+                lives = group.staging
+            values.append(lives)
+        previous = self.updated_step
+        if self._guard is not None:
+            averaged = [lives for group, lives in zip(self._groups, values, strict=True) if group.average]
+            if not self._guard.finite(averaged):
+                self._skipped.add_(1.0)  # a float: an int is wrapped as an int64 tensor, then cast (a new one)
+                return
+            previous = int(self._applied_step)  # a CPU tensor's value: no sync
+        weights = [1.0 - beta for beta in self.betas(self.step, previous)]
+        for group, lives in zip(self._groups, values, strict=True):
+            for profile, weight in zip(group.profiles, weights, strict=True):
+                if group.average:
+                    foreach_lerp_(profile, lives, weight)
+                else:
+                    foreach_copy_(profile, lives)
+        if self._guard is not None:
+            self._applied_step.fill_(self.step)
+
     @property
     def skipped(self) -> int:
-        """How many updates ``skip_nonfinite`` skipped (0 without it). Kept on the device: reading it waits for the
-        updates queued before (a sync, the reader's, never ``update``'s)."""
+        """How many updates ``skip_nonfinite`` skipped (0 without it). Kept beside the profiles: on a GPU reading it
+        waits for the updates queued before (a sync, the reader's, never ``update``'s)."""
         return int(self._skipped) if self.skip_nonfinite else 0
 
     @property
     def applied_step(self) -> int:
         """The step of the last applied update: the profiles hold the weights of steps ``1..applied_step``.
-        ``updated_step`` without ``skip_nonfinite``; with it, read from the device (a sync)."""
+        ``updated_step`` without ``skip_nonfinite``; with it, read from beside the profiles (on a GPU a sync)."""
         return int(self._applied_step) if self.skip_nonfinite else self.updated_step
 
     # -- snapshots ----------------------------------------------------------------------------------------

@@ -46,10 +46,14 @@ weights as Lightning saves them.
   resume; with ``save_distributed_checkpoint=False`` (one file) the profiles are gathered into full tensors, of
   which each rank takes its own part back on resume. A checkpoint spread otherwise than the model (another world
   size or placement) is refused, naming both (``CheckpointMismatch``, a ``ValueError``): the snapshot files of one
-  run are of one spread. ``skip_nonfinite`` is refused there, as ``PowerEMA`` refuses it.
-* ``skip_nonfinite=True``: an update whose live weights or floating buffers hold a NaN or an Inf is skipped on the
-  device, leaving every profile as it was (``copy_correct.power_ema`` says what the profiles then are); the count is
-  logged as ``posthoc_ema/skipped`` at the end of each training epoch, read from the device once per epoch.
+  run are of one spread. ``skip_nonfinite`` is off there by default, and ``skip_nonfinite=True`` refused, as
+  ``PowerEMA`` refuses it.
+* ``skip_nonfinite`` (on by default where it costs one read of the weights: profiles on the CPU; on CUDA opt-in with
+  ``True``, the device guard staging a copy of the weights; ``copy_correct.power_ema``): an update whose live weights
+  or floating buffers hold a NaN or an Inf is skipped, leaving every profile bit for bit as it was
+  (``copy_correct.power_ema`` says what the profiles then are); the count is logged as ``posthoc_ema/skipped`` at
+  the end of each training epoch, read once per epoch (on a GPU a sync), never per step, and the first epoch that
+  skips warns once (``copy_correct.lightning._skip_log``).
 
 After training, a checkpoint of the averaged weights that ``load_from_checkpoint`` reads, from the command (which
 prints the path it wrote, beside the run's checkpoints: ``posthoc-ema-sigma0.080-step000000300.ckpt``)::
@@ -80,6 +84,7 @@ from copy_correct._sharding import is_sharded, layout
 from copy_correct.errors import CheckpointMismatch
 from copy_correct.lightning._distributed_state import read_into, store_under_keys
 from copy_correct.lightning._rank_zero_buffers import RankZeroBuffers
+from copy_correct.lightning._skip_log import SkipLog
 from copy_correct.posthoc_ema import load_snapshot, snapshot_paths
 from copy_correct.power_ema import PowerEMA, snapshot_name
 
@@ -87,7 +92,8 @@ __all__ = ["PostHocEMACallback"]
 
 
 class PostHocEMACallback(pl.Callback):
-    """Args: those of ``PowerEMA`` (``sigma_rels`` ... ``skip_nonfinite``); ``snapshot_dir`` defaults to
+    """Args: those of ``PowerEMA`` (``sigma_rels`` ... ``skip_nonfinite``, by default on for profiles on the CPU and
+    off on CUDA, decided when ``fit`` starts, on the module); ``snapshot_dir`` defaults to
     ``power_ema/`` in the checkpoint directory; ``module``: the submodule to average (an attribute path of the
     LightningModule, ``"generator"``), ``None`` for all of it."""
 
@@ -100,7 +106,7 @@ class PostHocEMACallback(pl.Callback):
         snapshot_dir: str | Path | None = None,
         include_buffers: bool = True,
         profile_dtype: torch.dtype | None = None,
-        skip_nonfinite: bool = False,
+        skip_nonfinite: bool | None = None,
         module: str | None = None,
     ) -> None:
         self._kwargs: dict[str, Any] = {
@@ -118,6 +124,7 @@ class PostHocEMACallback(pl.Callback):
         self._directory: Path | None = None  # where this rank writes snapshots; None: it writes none (rank > 0)
         self._trainer: pl.Trainer | None = None
         self._broadcast = RankZeroBuffers()
+        self._skips = SkipLog("posthoc_ema/skipped", "PowerEMA")
         self.power_ema: PowerEMA | None = None
         self._pending: dict[str, Any] | None = None
         self._last_step = 0
@@ -191,11 +198,10 @@ class PostHocEMACallback(pl.Callback):
                 self.save_snapshot(self._directory)
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Log how many updates ``skip_nonfinite`` skipped so far: one read of the device counter per epoch."""
+        """Log how many updates ``skip_nonfinite`` skipped so far (``SkipLog``: one read of the counter per epoch, one
+        warning the first time an epoch skips)."""
         if self.power_ema is not None and self.power_ema.skip_nonfinite:
-            pl_module.log(
-                "posthoc_ema/skipped", float(self.power_ema.skipped), on_step=False, on_epoch=True, rank_zero_only=True
-            )
+            self._skips.epoch_end(pl_module, self.power_ema.skipped)
 
     def save_snapshot(self, directory: str | Path, *, final: bool = False) -> Path:
         """Write the profiles as they are now to ``directory / snapshot_name(step)`` atomically (what the schedule
@@ -319,6 +325,7 @@ class PostHocEMACallback(pl.Callback):
                     read_into(holders, {name: saved[name] for name in holders}, path)
                 state = {**state, "profiles": profiles}
             power_ema.load_state_dict(state)
+            self._skips.resumed(int(state.get("skipped", 0)))
         except ValueError as err:
             raise CheckpointMismatch(str(err)) from err
 

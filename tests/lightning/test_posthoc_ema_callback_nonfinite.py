@@ -1,16 +1,20 @@
-"""``PostHocEMACallback(skip_nonfinite=True)`` in a real Trainer whose loss turns NaN: the profiles stay finite and
-the skipped count is logged, read once per epoch."""
+"""``PostHocEMACallback``'s guard, on by default for a CPU module (and with ``skip_nonfinite=True``), in a real Trainer
+whose loss turns NaN: the profiles stay finite, the skipped count is logged, read once per epoch, and the first epoch
+that skips warns once; a resumed run counts only its own skips in that warning. The control, ``skip_nonfinite=False``:
+NaN profiles, nothing logged."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
 from copy_correct import PowerEMA
 from copy_correct.lightning import PostHocEMACallback
+from copy_correct.lightning._skip_log import SkipLog
 from copy_correct.posthoc_ema import snapshot_paths
 from tests.lightning import test_posthoc_ema_callback
 from tests.lightning.test_posthoc_ema_callback import Regressor, fit
@@ -24,7 +28,14 @@ class Diverging(Regressor):
         return loss * float("nan") if self.trainer.global_step == 4 else loss
 
 
-def test_the_callback_skips_and_logs_the_count_once_per_epoch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def skip_warnings(record: pytest.WarningsRecorder) -> list[str]:
+    return [str(w.message) for w in record if "skipped in epoch" in str(w.message)]
+
+
+@pytest.mark.parametrize("guard", [None, True], ids=["default", "skip_nonfinite"])
+def test_the_callback_skips_and_logs_the_count_once_per_epoch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, guard: bool | None
+) -> None:
     reads = []
     counted = PowerEMA.skipped.fget
 
@@ -34,10 +45,13 @@ def test_the_callback_skips_and_logs_the_count_once_per_epoch(tmp_path: Path, mo
 
     monkeypatch.setattr(PowerEMA, "skipped", property(skipped))
     monkeypatch.setattr(test_posthoc_ema_callback, "Regressor", Diverging)  # what fit trains
-    callback = PostHocEMACallback(snapshot_every=4, skip_nonfinite=True)
-    trainer = fit(tmp_path / "guarded", [callback], epochs=2)  # 2 epochs of 6 optimizer steps
+    callback = PostHocEMACallback(snapshot_every=4, skip_nonfinite=guard)
+    warning = r"PowerEMA: 2 update\(s\) skipped in epoch 0: the live weights held NaN or Inf"
+    with pytest.warns(UserWarning, match=warning) as record:
+        trainer = fit(tmp_path / "guarded", [callback], epochs=2)  # 2 epochs of 6 optimizer steps
+    assert len(skip_warnings(record)) == 1  # epoch 1 skipped 6 more: warned once
     ema = callback.power_ema
-    assert ema is not None and not torch.isfinite(ema._model.net[0].weight).all()
+    assert ema is not None and ema.skip_nonfinite and not torch.isfinite(ema._model.net[0].weight).all()
     assert all(torch.isfinite(v).all() for p in ema.profiles for v in p.values() if v.is_floating_point())
     assert trainer.callback_metrics["posthoc_ema/skipped"].item() == 8  # steps 5 to 12
     assert reads == [6, 12]  # once per epoch
@@ -45,7 +59,50 @@ def test_the_callback_skips_and_logs_the_count_once_per_epoch(tmp_path: Path, mo
         "power-ema-000000004.pt"  # every later snapshot holds the profiles of step 4, under that name
     ]
 
-    control = PostHocEMACallback(snapshot_every=4)  # without the guard: NaN profiles, nothing logged
+    control = PostHocEMACallback(snapshot_every=4, skip_nonfinite=False)  # without the guard: NaN, nothing logged
     unguarded = fit(tmp_path / "control", [control], epochs=2)
     assert control.power_ema is not None and not torch.isfinite(control.power_ema.profiles[0]["net.0.weight"]).all()
     assert "posthoc_ema/skipped" not in unguarded.callback_metrics
+
+
+class Spikes(pl.Callback):
+    """A NaN in the first weight after the optimizer steps in ``steps``, seen by the callbacks after this one (the
+    PostHocEMACallback's update), taken out before the next batch: a run that recovers (its checkpoints finite)."""
+
+    def __init__(self, steps: set[int]) -> None:
+        self.steps = steps
+        self._kept: torch.Tensor | None = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step in self.steps and self._kept is None:
+            self.steps = self.steps - {trainer.global_step}
+            with torch.no_grad():
+                self._kept = pl_module.net[0].weight[0, 0].clone()
+                pl_module.net[0].weight[0, 0] = float("nan")
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if self._kept is not None:
+            with torch.no_grad():
+                pl_module.net[0].weight[0, 0] = self._kept
+            self._kept = None
+
+
+def test_a_resumed_run_warns_of_its_own_skips(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first fit (steps 1 to 6) skips steps 4 and 5 and warns of them; the resumed one (steps 7 to 12) skips 8, 9
+    and 10 and warns of those 3, logging the count of the whole run (5). The control: a log that is not told the
+    resumed count warns of 5."""
+    steps = {4, 5, 8, 9, 10}
+    with pytest.warns(UserWarning, match=r"PowerEMA: 2 update\(s\) skipped in epoch 0"):
+        fit(tmp_path / "first", [Spikes(steps), PostHocEMACallback(snapshot_every=4)], epochs=1)
+    last = tmp_path / "first" / "checkpoints" / "last.ckpt"
+    resumed = PostHocEMACallback(snapshot_every=4)
+    with pytest.warns(UserWarning, match=r"PowerEMA: 3 update\(s\) skipped in epoch 1") as record:
+        trainer = fit(tmp_path / "resumed", [Spikes(steps), resumed], epochs=2, ckpt_path=last)
+    assert len(skip_warnings(record)) == 1
+    assert trainer.callback_metrics["posthoc_ema/skipped"].item() == 5
+    assert resumed.power_ema is not None and (resumed.power_ema.skipped, resumed.power_ema.applied_step) == (5, 12)
+    assert all(torch.isfinite(v).all() for p in resumed.power_ema.profiles for v in p.values() if v.is_floating_point())
+
+    monkeypatch.setattr(SkipLog, "resumed", lambda self, skipped: None)
+    with pytest.warns(UserWarning, match=r"PowerEMA: 5 update\(s\) skipped in epoch 1"):
+        fit(tmp_path / "control", [Spikes(steps), PostHocEMACallback(snapshot_every=4)], epochs=2, ckpt_path=last)

@@ -1,8 +1,9 @@
-"""``PowerEMA(skip_nonfinite=True)``: a NaN or an Inf in the live weights or floating buffers leaves every profile bit
-for bit as it was, decided on the device with nothing allocated per update, and the next good update is made as if
-the skipped one had never been: ``beta`` spans from the last *applied* step, so the profiles are exactly those of an
+"""``PowerEMA(skip_nonfinite=True)``, and the default (on for CPU profiles): a NaN or an Inf in the live weights or
+floating buffers leaves every profile bit for bit as it was, decided once per update (on the host for CPU profiles,
+writing nothing; on the device on CUDA) with nothing allocated per update, and the next good update is made as if the
+skipped one had never been: ``beta`` spans from the last *applied* step, so the profiles are exactly those of an
 unguarded ``PowerEMA`` that was not updated at the skipped steps, and a snapshot records the applied step. Each claim
-has its control: without the guard, one such update poisons every profile for good."""
+has its control: without the guard (``skip_nonfinite=False``), one such update poisons every profile for good."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from copy_correct import PowerEMA, synthesize
+from copy_correct._finite_check import FiniteCheck
 from copy_correct.posthoc_ema import snapshot_paths
 from copy_correct.probes import CopyAudit, MemoryProbe
 from tests.conftest import DEVICES
@@ -69,8 +71,8 @@ def test_a_skipped_update_is_one_that_did_not_happen(device: str, where: str, va
     bad = {3 * every, 4 * every, 9 * every}  # two in a row, and one more
     guarded_model, reference_model, control_model = net(device), net(device), net(device)
     guarded = PowerEMA(guarded_model, SIGMAS, update_every=every, skip_nonfinite=True)
-    reference = PowerEMA(reference_model, SIGMAS, update_every=every)
-    control = PowerEMA(control_model, SIGMAS, update_every=every)
+    reference = PowerEMA(reference_model, SIGMAS, update_every=every, skip_nonfinite=False)
+    control = PowerEMA(control_model, SIGMAS, update_every=every, skip_nonfinite=False)
     for step in range(1, 12 * every + 1):
         for model in (guarded_model, reference_model, control_model):
             train_step(model, step)
@@ -85,7 +87,7 @@ def test_a_skipped_update_is_one_that_did_not_happen(device: str, where: str, va
             control.update()
             reference.update()
     assert (guarded.skipped, guarded.applied_step, guarded.updated_step) == (3, 12 * every, 12 * every)
-    if device == "cpu":  # beta computed on the device with the host's operations: bit for bit on CPU
+    if device == "cpu":  # the host's beta from the applied step: the reference's, bit for bit
         assert same_profiles(guarded, reference)
     else:
         for ours, expected in zip(guarded.profiles, reference.profiles, strict=True):
@@ -97,7 +99,7 @@ def test_a_skipped_update_is_one_that_did_not_happen(device: str, where: str, va
 
     # The control of the semantics: the per-step beta applied after a skip (the host's updated_step, which counts
     # the skipped update) weighs the next applied update as if it stood for every_ steps only: not the reference.
-    naive = PowerEMA(net(device), SIGMAS, update_every=every)
+    naive = PowerEMA(net(device), SIGMAS, update_every=every, skip_nonfinite=False)
     model = naive._model
     for step in range(1, 12 * every + 1):
         train_step(model, step)
@@ -112,7 +114,8 @@ def test_a_skipped_update_is_one_that_did_not_happen(device: str, where: str, va
 @pytest.mark.parametrize("device", DEVICES)
 def test_clean_guarded_updates_are_the_plain_ones_and_minus_zero_survives_a_skip(device: str) -> None:
     plain_model, guarded_model = net(device), net(device)
-    plain, guarded = PowerEMA(plain_model, SIGMAS), PowerEMA(guarded_model, SIGMAS, skip_nonfinite=True)
+    plain = PowerEMA(plain_model, SIGMAS, skip_nonfinite=False)
+    guarded = PowerEMA(guarded_model, SIGMAS, skip_nonfinite=True)
     for step in range(1, 21):
         for model, ema in ((plain_model, plain), (guarded_model, guarded)):
             train_step(model, step)
@@ -149,16 +152,25 @@ def test_a_low_precision_model_is_staged_and_checked_in_float32() -> None:
                 ema.update()
         runs[name] = ema
     assert runs["guarded"].profiles[0]["0.weight"].dtype == torch.float32
-    assert runs["guarded"]._groups[0].staging == []  # the guard's staging only: one copy of the weights
+    # one copy of the weights: the group's staging, which the check reads (its scratch is one number per tensor)
+    assert isinstance(runs["guarded"]._guard, FiniteCheck)
+    staging = runs["guarded"]._groups[0].staging
+    assert len(staging) == 8 and all(t.dtype == torch.float32 for t in staging)  # parameters and floating buffers
+    assert runs["guarded"]._guard.plans[0].scratch.numel() == 8  # one float32 sum per (small) tensor
     assert same_profiles(runs["guarded"], runs["reference"]) and runs["guarded"].skipped == 1
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_guarded_update_allocates_nothing_and_raises_each_version_once(device: str) -> None:
+def test_a_guarded_update_allocates_nothing_and_writes_only_when_it_averages(device: str) -> None:
+    """Zero bytes allocated by a clean update and by a skipped one, and no tensor made even inside a kernel (a
+    reduction to one element of a large tensor allocates its per-thread buffer: ``copy_correct._finite_check``). A
+    clean update raises each profile tensor's version by one; a skipped one writes nothing on the CPU (decided on the
+    host, once for all profiles), and on CUDA runs every kernel with the flag (each version +1, nothing read back)."""
     model = net(device)
+    model.register_parameter("large", nn.Parameter(torch.randn(300, 300, device=device)))  # 90,000 elements
     ema = PowerEMA(model, SIGMAS, skip_nonfinite=True)
     ema.update()
-    for value in (0.5, float("nan")):  # a clean update, then a skipped one
+    for value, written in ((0.5, 1), (float("nan"), 0 if device == "cpu" else 1)):  # a clean update, a skipped one
         versions = [{k: v._version for k, v in profile.items()} for profile in ema.profiles]
         with torch.no_grad():
             model[0].weight[0, 0] = value
@@ -167,20 +179,90 @@ def test_a_guarded_update_allocates_nothing_and_raises_each_version_once(device:
         assert audit.bytes_allocated == 0, audit.summary()
         assert memory.peak_bytes == 0, memory.report()
         for profile, before in zip(ema.profiles, versions, strict=True):
-            assert all(v._version == before[k] + 1 for k, v in profile.items())
+            assert all(v._version == before[k] + written for k, v in profile.items())
         with torch.autograd.profiler.profile() as profile:
             ema.update()
-        assert not {event.name for event in profile.function_events} & MAKERS
-        assert "aten::_local_scalar_dense" not in {event.name for event in profile.function_events}
+        names = {event.name for event in profile.function_events}
+        assert not names & MAKERS
+        if device != "cpu":  # a CPU tensor's value is read without a sync: only the device guard reads nothing back
+            assert "aten::_local_scalar_dense" not in names
     assert ema.skipped == 2  # the profiled update was bad too
+    assert ema.applied_step == 3 and ema.updated_step == 5
 
-    # The control: the host's beta after a skip needs the applied step read back, which syncs (and an isfinite check
-    # per tensor allocates).
+    # The control: an isfinite check per tensor (PR #24307's) allocates, and reading a counter from the device syncs.
     with MemoryProbe(device) as control, torch.autograd.profiler.profile() as profile:
         assert ema.applied_step == 3
         assert not all(bool(torch.isfinite(t).all()) for t in model.state_dict().values() if t.is_floating_point())
     names = {event.name for event in profile.function_events}
     assert control.peak_bytes > 0 and names & MAKERS and "aten::_local_scalar_dense" in names
+
+
+def test_the_decision_is_what_guards(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mutation control: with the check's answer forced to "finite", the same poisoned update poisons every profile,
+    so the tests above fail without the decision."""
+    monkeypatch.setattr(FiniteCheck, "finite", lambda self, groups: True)
+    model = net()
+    ema = PowerEMA(model, SIGMAS, skip_nonfinite=True)
+    assert isinstance(ema._guard, FiniteCheck)
+    train_step(model, 1)
+    ema.update()
+    poisoned(ema, model, "parameter", float("nan"))
+    assert all(profile["0.weight"].isnan().any() for profile in ema.profiles) and ema.skipped == 0
+    assert ema.applied_step == 2
+
+
+def test_the_guard_is_on_by_default_for_cpu_profiles() -> None:
+    model = net()
+    ema = PowerEMA(model, SIGMAS)
+    assert ema.skip_nonfinite and isinstance(ema._guard, FiniteCheck)
+    train_step(model, 1)
+    ema.update()
+    before = profile_bits(ema)
+    versions = [{k: v._version for k, v in profile.items()} for profile in ema.profiles]
+    poisoned(ema, model, "buffer", -float("inf"))
+    assert all(same_bits(a, b) for a, b in zip(profile_bits(ema), before, strict=True)) and ema.skipped == 1
+    assert [{k: v._version for k, v in profile.items()} for profile in ema.profiles] == versions
+    assert (ema.applied_step, ema.updated_step, ema.snapshot()["step"]) == (1, 2, 1)
+    assert not PowerEMA(model, SIGMAS, skip_nonfinite=False).skip_nonfinite
+    with pytest.raises(TypeError, match=r"skip_nonfinite must be True, False or None .*got str 'yes'"):
+        PowerEMA(model, SIGMAS, skip_nonfinite="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_guard_is_opt_in_on_cuda() -> None:
+    """On CUDA the guard stages a copy of the weights on the device (4.3x the update on an H200): off by default; with
+    ``True``, the device guard, which stages itself (the groups' staging freed)."""
+    model = net("cuda", torch.bfloat16)
+    assert not PowerEMA(model, SIGMAS).skip_nonfinite
+    guarded = PowerEMA(model, SIGMAS, skip_nonfinite=True)
+    assert guarded.skip_nonfinite and not isinstance(guarded._guard, FiniteCheck)
+    assert all(group.staging == [] for group in guarded._groups)
+
+
+def test_a_finite_update_whose_sum_overflows_is_made() -> None:
+    """The CPU check sums each tensor, and a finite tensor's sum can overflow to Inf: such an update is still made, as
+    unguarded (the check reads the tensor again, exactly). The control: the sum alone says "not finite"."""
+    models = {}
+    for guard in (True, False):
+        model = net()
+        model.register_parameter("large", nn.Parameter(torch.zeros(300, 300)))  # summed per row
+        with torch.no_grad():
+            model[0].weight[0, :4] = 3e38  # one row of a small tensor, summed whole: 1.2e39, over float32's max
+            model.large[7, :4] = 3e38
+        models[guard] = (model, PowerEMA(model, SIGMAS, skip_nonfinite=guard))
+    for step in range(1, 4):
+        for model, ema in models.values():
+            generator = torch.Generator().manual_seed(step)
+            with torch.no_grad():  # no forward pass: it would make the BatchNorm statistics Inf
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=generator), alpha=0.05)
+            ema.update()
+    guarded, plain = models[True][1], models[False][1]
+    assert guarded.skipped == 0 and guarded.applied_step == 3 and same_profiles(guarded, plain)
+    assert (
+        not torch.isfinite(models[True][0][0].weight.sum()) and not torch.isfinite(models[True][0].large.sum(1)).all()
+    )
 
 
 def test_integer_buffers_are_copied_into_every_profile_and_kept_on_a_skip() -> None:
@@ -224,7 +306,7 @@ def test_skipped_and_the_applied_step_round_trip_and_snapshots_record_the_applie
     old = {k: v for k, v in state.items() if k not in ("skipped", "applied_step")}  # saved without the guard
     restored.load_state_dict(old)
     assert (restored.skipped, restored.applied_step) == (0, 6)
-    unguarded = PowerEMA(net(device), SIGMAS)
+    unguarded = PowerEMA(net(device), SIGMAS, skip_nonfinite=False)
     unguarded.load_state_dict(state)
     assert unguarded.skipped == 0 and "skipped" not in unguarded.state_dict() and "skipped" not in unguarded.snapshot()
 
@@ -262,12 +344,17 @@ def test_synthesis_from_snapshots_with_skips_is_that_of_the_run_without_those_up
     assert not same_bits(bits(synthesize(paths, sigma_rel=0.07)), bits(reference))
 
 
-def test_a_model_not_finite_at_construction_is_refused() -> None:
+def test_a_model_not_finite_at_construction_is_refused_or_left_unguarded() -> None:
     model = net()
     model.register_buffer("mask", torch.full((4,), -float("inf")))
     with pytest.raises(ValueError, match=r"skip_nonfinite=True, but the model's \['mask'\] hold NaN or Inf"):
         PowerEMA(model, SIGMAS, skip_nonfinite=True)
-    assert PowerEMA(model, SIGMAS).skipped == 0
+    warning = r"PowerEMA: skip_nonfinite is off: the model's \['mask'\] hold NaN or Inf"
+    with pytest.warns(RuntimeWarning, match=warning):
+        ema = PowerEMA(model, SIGMAS)  # the default: off, said once
+    assert not ema.skip_nonfinite and ema._guard is None and ema.skipped == 0
+    ema.update()  # without the guard nothing is checked, nothing counted: the -inf is averaged as it is (NaN)
+    assert ema.skipped == 0 and all(not torch.isfinite(profile["mask"]).any() for profile in ema.profiles)
 
 
 @pytest.mark.gpu

@@ -156,7 +156,7 @@ def test_posthoc_ema_state_goes_on_in_ours_one_step_later(tmp_path: Path) -> Non
     assert (mine.step, mine.updated_step) == (BEFORE + 1, BEFORE + 1)
     as_saved, reset = PowerEMA(model, SIGMA_RELS), PowerEMA(model, SIGMA_RELS)
     for control, at in ((as_saved, BEFORE), (reset, 0)):
-        control.load_state_dict(mine.state_dict() | {"step": at, "updated_step": at})
+        control.load_state_dict(mine.state_dict() | {"step": at, "updated_step": at, "applied_step": at})
     differences = []
     for _ in range(AFTER):
         step()
