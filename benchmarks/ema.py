@@ -8,9 +8,13 @@ installed and called the way their docs show, in one process; write the table to
 
 Contenders, each keeping a float32 average of the same model and updating it once per call:
 
-* ``copy_correct.EMA.update`` (parameters and floating buffers averaged, integer buffers copied)
-* the same with ``skip_nonfinite=True``: the update skipped on the device when a live value is NaN or Inf (its
-  ``time / ours`` is the guard's cost)
+* ``copy_correct.EMA.update`` with ``skip_nonfinite=False`` (parameters and floating buffers averaged, integer
+  buffers copied): the reference row, ``ours``
+* the same with ``skip_nonfinite=True``, the default for a CPU shadow: the update skipped when a live value is NaN or
+  Inf (on the CPU decided on the host from one reduction per tensor; on a GPU on the device, with a staging copy); its
+  ``time / ours`` is the guard's cost
+* the CPU guard's check alone (``copy_correct._finite_check.FiniteCheck`` of the live values): one read of the
+  weights, the work the guard adds to the update; the guarded row's floor is the two rows' sum
 * timm ``ModelEmaV3(model, decay)`` (foreach, the default) and ``ModelEmaV2``: ``.update(model, step=n)`` /
   ``.update(model)``, as timm's ``train.py`` calls them; both average every ``state_dict`` entry
 * diffusers ``EMAModel(model.parameters(), decay, foreach=False | True)``: ``.step(model.parameters())``, as
@@ -57,12 +61,14 @@ from benchmarks.peers import Missing, label, load, timm_model_ema
 from benchmarks.report import bandwidth_table, command_line, measured_on, median_ms, parse_args, write_section
 from benchmarks.stream import StreamLimit, in_rounds
 from copy_correct import EMA
+from copy_correct._nonfinite import NonFiniteGuard
 
 ROOT = Path(__file__).resolve().parents[1]
 
 DECAY = 0.999
-OURS = "copy_correct.EMA.update"
+OURS = "copy_correct.EMA.update, skip_nonfinite=False"
 GUARDED = "copy_correct.EMA.update, skip_nonfinite=True"
+CHECK = "the guard's check alone: one read of the weights"
 COPY = "plain copy of the same bytes"
 FLAT_LERP = "flat lerp_ of the same bytes (one tensor)"
 
@@ -130,9 +136,12 @@ def lightning_contender(model: nn.Module) -> Callable[[], object]:
 
 def contenders(model: nn.Module) -> tuple[dict[str, Callable[[], object]], dict[str, str]]:
     """``({row: one update}, {row: why it cannot run here})``."""
-    ema = EMA(model, decay=DECAY)
+    ema = EMA(model, decay=DECAY, skip_nonfinite=False)
     guarded = EMA(model, decay=DECAY, skip_nonfinite=True)
     fns: dict[str, Callable[[], object]] = {OURS: lambda: ema.update(model), GUARDED: lambda: guarded.update(model)}
+    if guarded._guard is not None and not isinstance(guarded._guard, NonFiniteGuard):
+        live = [t for t in model.state_dict().values() if t.is_floating_point()]
+        fns[CHECK] = torch.no_grad()(lambda: guarded._guard.finite([live]))
     not_run: dict[str, str] = {}
 
     def timm_v3(timm: ModuleType) -> Callable[[], object]:
@@ -213,11 +222,10 @@ def table(
         f"**{title}**: {elements / 1e6:.2f}M floating elements in {len(floats)} tensors "
         f"({12 * elements / 1e6:.0f} MB moved per update)"
     )
-    # bytes per element of the whole state: diffusers moves the parameters' 12 bytes each, not the buffers'
-    per_element = {
-        name: 8.0 if name == COPY else 12.0 * parameters / elements if "parameters only" in name else 12.0
-        for name in times
-    }
+    # bytes per element of the whole state: diffusers moves the parameters' 12 bytes each, not the buffers'; a copy
+    # reads and writes (8), the check only reads (4)
+    per_element = {name: 12.0 * parameters / elements if "parameters only" in name else 12.0 for name in times}
+    per_element |= {COPY: 8.0, CHECK: 4.0}
     return bandwidth_table(caption, elements, times, per_element, OURS, COPY, not_run, limit=limit)
 
 

@@ -9,8 +9,10 @@ docs/benchmarks.md.
 
 Both keep float32 profiles of the same model at ``sigma_rels`` (0.05, 0.10), updated once per optimizer step:
 
-* ``copy_correct.PowerEMA(model, sigma_rels).update()``: one ``_foreach_lerp_`` per profile (and dtype group),
-  ``beta`` computed on the host
+* ``copy_correct.PowerEMA(model, sigma_rels, skip_nonfinite=False).update()``: one ``_foreach_lerp_`` per profile
+  (and dtype group), ``beta`` computed on the host: the reference row, ``ours``
+* the same with ``skip_nonfinite=True``, the default for CPU profiles: one finite check per update for all profiles
+  (its ``time / ours`` is the guard's cost)
 * ema-pytorch ``PostHocEMA(model, sigma_rels=..., update_every=1, checkpoint_every_num_steps=...)``: ``.update()``,
   as its README calls it (``update_every=1``: its ``KarrasEMA`` default, 100, would average one step in a hundred);
   a deep copy of the module per profile, one ``lerp_`` per tensor, the step read back from the device
@@ -49,7 +51,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SIGMA_RELS = (0.05, 0.10)
 TARGETS = (0.03, 0.08, 0.15, 0.25)  # reconstructed at the last step: inside and outside the tracked two
 STEPS, SNAPSHOTS = 2000, 20
-OURS = "copy_correct.PowerEMA.update"
+OURS = "copy_correct.PowerEMA.update, skip_nonfinite=False"
+GUARDED = "copy_correct.PowerEMA.update, skip_nonfinite=True"
 FLOOR = "bare _foreach_lerp_ per profile, prebuilt lists"
 
 
@@ -74,8 +77,9 @@ def state_bytes(model: nn.Module) -> int:
 
 def update_contenders(model: nn.Module, folder: Path) -> tuple[dict[str, Callable[[], object]], dict[str, str]]:
     """``({row: one update}, {row: why it cannot run here})``."""
-    ours = PowerEMA(model, SIGMA_RELS)
-    fns: dict[str, Callable[[], object]] = {OURS: ours.update}
+    ours = PowerEMA(model, SIGMA_RELS, skip_nonfinite=False)
+    guarded = PowerEMA(model, SIGMA_RELS, skip_nonfinite=True)
+    fns: dict[str, Callable[[], object]] = {OURS: ours.update, GUARDED: guarded.update}
     not_run: dict[str, str] = {}
     ema_pytorch = peer()
     name = "PostHocEMA.update, update_every=1"

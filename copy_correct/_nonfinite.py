@@ -37,14 +37,12 @@ How one update decides and stays exact, per group (``update``):
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
-from copy_correct._checks import shown
+from copy_correct._checks import flag
 from copy_correct._flat import flat_views
 from copy_correct._torch_internals import increment_versions
 from copy_correct.decay_schedule import DecaySchedule
@@ -55,49 +53,26 @@ __all__ = ["NonFiniteGuard", "ProfilesGuard", "guard_wanted", "refuse_nonfinite"
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def guard_wanted(
-    requested: bool | None, owner: str, *, sharded: bool, on_host: bool, tensors: Mapping[str, torch.Tensor]
-) -> bool:
-    """Whether ``owner`` (``"EMA"``, ``"PowerEMA"``) runs with ``skip_nonfinite``. ``True`` and ``False`` are kept;
-    ``True`` is refused for a sharded model (each rank would decide on its own shards) and for ``tensors`` holding a NaN
-    or an Inf now (``refuse_nonfinite``). ``None``, the default, is on where the guard costs one read of the weights
-    (``on_host``: every average on the CPU, decided there by ``copy_correct._finite_check``) and off otherwise: sharded,
-    on a GPU (where the guard on the device stages a copy of the weights and costs about 4x the update), or with
-    ``tensors`` not finite now, which a warning names."""
-    if requested is not None and not isinstance(requested, (bool, np.bool_)):
-        raise TypeError(
-            f"skip_nonfinite must be True, False or None (the default: on where it is cheap), got {shown(requested)}"
-        )
-    requested = None if requested is None else bool(requested)
-    if requested is False or (requested is None and (sharded or not on_host)):
+def guard_wanted(requested: bool, owner: str, *, sharded: bool, tensors: Mapping[str, torch.Tensor]) -> bool:
+    """Whether ``owner`` (``"EMA"``, ``"PowerEMA"``) runs with ``skip_nonfinite``: ``requested`` (``True`` or
+    ``False``, else a ``TypeError``), ``True`` refused for a sharded model (each rank would decide on its own shards,
+    and agreeing would need a collective per update) and for ``tensors`` holding a NaN or an Inf now
+    (``refuse_nonfinite``: every update would be skipped)."""
+    if not flag("skip_nonfinite", requested):
         return False
     if sharded:
         raise ValueError(
             f"skip_nonfinite=True is not supported for a sharded (FSDP2) model: each rank sees only its shards, so the "
             f"ranks could decide differently and leave the {owner} half updated"
         )
-    if requested is None:
-        nonfinite = _nonfinite_names(tensors)
-        if nonfinite:
-            warnings.warn(
-                f"{owner}: skip_nonfinite is off: the model's {nonfinite[:5]} hold NaN or Inf now, so every update "
-                "would be skipped (pass skip_nonfinite=False to say so)",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        return not nonfinite
     refuse_nonfinite(tensors)
     return True
-
-
-def _nonfinite_names(tensors: Mapping[str, torch.Tensor]) -> list[str]:
-    return [name for name, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
 
 
 def refuse_nonfinite(tensors: Mapping[str, torch.Tensor]) -> None:
     """``ValueError`` naming the floating tensors that hold a NaN or an Inf: a guard built on them would skip every
     update. Read once, at construction (a sync per tensor there, none per update)."""
-    nonfinite = _nonfinite_names(tensors)
+    nonfinite = [name for name, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
     if nonfinite:
         raise ValueError(
             f"skip_nonfinite=True, but the model's {nonfinite[:5]} hold NaN or Inf now, so every update would be "

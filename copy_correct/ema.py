@@ -15,21 +15,24 @@ Copy contract:
 * A model in float16/bfloat16 gets a float32 shadow (``shadow_dtype=None``): at decay 0.9999 a bf16
   shadow rounds every small update away. A group whose shadow dtype or device differs from the model's
   keeps a staging copy of the live tensors in the shadow's dtype and device, allocated once.
-* ``skip_nonfinite`` (on by default for a shadow on the CPU): an update whose live parameters or floating buffers hold
-  any NaN or Inf leaves the shadow bit for bit as it was (``-0.0`` entries, integer buffers and a copy before
-  ``start_step`` included). On the CPU the values the update averages (the live tensors, or their staging) are checked
-  before anything is written, by one reduction per tensor into scratch made once (``copy_correct._finite_check``:
-  exact, an overflowing sum included; one read of the weights, where the update moves three), and the host branches:
-  a skipped update writes nothing (no version raised), a clean one is the unguarded update, bit for bit, with nothing
-  allocated. On a GPU the decision stays on the device (``copy_correct._nonfinite``: no value read back, every kernel
-  run whatever the flag holds), at the price of a flat staging copy of the live values (one copy of the weights) and
-  about 4x the update's time (H200, ``docs/gpu-results.md``): there it is opt-in (``skip_nonfinite=True``). The
-  warm-up counts applied updates only: the next clean update is made as if the skipped ones had never been.
-  ``update_every`` and ``start_step`` still count calls, skipped or not; ``num_updates`` counts updates made, skipped
-  ones too. ``skipped`` reads the count (on a GPU a sync, the reader's); ``state_dict`` saves it and the warm-up's
-  position. ``skip_nonfinite=True`` is refused for a model already non-finite at construction and a sharded one (each
-  rank would decide alone, and agreeing needs a collective per update); the default is then off (a non-finite model
-  warns once, naming the tensors).
+* ``skip_nonfinite=True`` (off by default, see below): an update whose live parameters or floating buffers hold any
+  NaN or Inf leaves the shadow bit for bit as it was (``-0.0`` entries, integer buffers and a copy before
+  ``start_step`` included). For a shadow on the CPU the values the update averages (the live tensors, or their
+  staging) are checked before anything is written, by one reduction per tensor into scratch made once
+  (``copy_correct._finite_check``: exact, an overflowing sum included; one read of the weights, where the update
+  moves three), and the host branches: a skipped update writes nothing (no version raised), a clean one is the
+  unguarded update, bit for bit, and nothing is allocated. On a GPU the decision stays on the device
+  (``copy_correct._nonfinite``: no value read back, every kernel run whatever the flag holds), at the price of a flat
+  staging copy of the live values (one copy of the weights). The warm-up counts applied updates only: the next clean
+  update is made as if the skipped ones had never been. ``update_every`` and ``start_step`` still count calls, skipped
+  or not; ``num_updates`` counts updates made, skipped ones too. ``skipped`` reads the count (on a GPU a sync, the
+  reader's); ``state_dict`` saves it and the warm-up's position. A model already non-finite at construction, and a
+  sharded one (each rank would decide alone, and agreeing would take a collective per update), are refused. Not the
+  default because it still costs more than the price the project set for one (1.35x the update on large models, 2x
+  on small ones): measured on the models of ``benchmarks/ema.py`` (2 CPU threads, ``docs/recipes/ema.md`` section
+  9), 1.43-1.44x on the large models, where one read of the weights alone takes 0.36-0.40 of the update on this
+  machine, and 2.2x on the digits MLP, where each tensor's reduction is a call of its own; on an H200 the device
+  path's staging made it 4.3x.
 * ``average_weights(model)`` copies the average into the model for the block and the live values back on exit (an
   exception, ``KeyboardInterrupt`` included, too), bit for bit, through one backup of the live values per (device,
   dtype) group, allocated on entry and freed on exit (one copy of the model's weights: diffusers' ``store``/``restore``
@@ -171,9 +174,9 @@ class EMA:
         device: where the shadow lives; ``None``: beside each model tensor. ``"cpu"`` keeps a GPU model's
             average in host memory (each update then waits for a device-to-host copy).
         skip_nonfinite: skip every update whose live values hold a NaN or an Inf, leaving the average bit for bit as
-            it was and the warm-up where it was; ``skipped`` counts them. ``None`` (the default): on where it costs one
-            read of the weights (every shadow tensor on the CPU, unsharded, the model finite now), off on a GPU, where
-            the guard keeps a staging copy of the weights and about quadruples the update's time.
+            it was and the warm-up where it was; ``skipped`` counts them. Off by default: on the CPU it costs one read
+            of the weights (about 1.4x the update on large models, 2.2x on a small MLP); on a GPU a staging copy of
+            the weights and about 4x the update.
 
     Every argument is checked here, in one line naming it and what it takes: a value of the wrong type (a string for
     a number, a bool for an int, ``model.parameters()`` for the model) is a ``TypeError``, one out of range a
@@ -195,7 +198,7 @@ class EMA:
         include_buffers: bool = True,
         shadow_dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
-        skip_nonfinite: bool | None = None,
+        skip_nonfinite: bool = False,
     ) -> None:
         module("model", model)
         self.schedule = DecaySchedule(decay, warmup, warmup_power, warmup_gamma, warmup_offset, min_decay)
@@ -231,7 +234,6 @@ class EMA:
             skip_nonfinite,
             "EMA",
             sharded=self.sharded,
-            on_host=all(t.device.type == "cpu" for t in self._shadow.values()),
             tensors={name: local(t) for name, t in self._shadow.items()},
         )
         self._guard: NonFiniteGuard | FiniteCheck | None = None

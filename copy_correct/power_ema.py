@@ -31,33 +31,34 @@ Copy contract:
 * ``state_dict()`` holds the counters and the profiles' own tensors (aliased, like ``Module.state_dict``: save it
   before the next update); ``load_state_dict`` copies into them in place, so a resumed run continues the profiles and
   the snapshot schedule bit for bit. Both load with ``weights_only=True``.
-* ``skip_nonfinite``: an update whose live parameters or floating buffers hold any NaN or Inf leaves every profile
-  bit for bit as it was (``-0.0`` entries and integer buffers included), decided once per update for all profiles.
-  On by default where it costs one read of the weights: every profile on the CPU (and the model finite at
-  construction). There the live values (staged into the profiles' dtype where they differ, as without the guard) are
-  checked on the host before anything is written, one reduction per tensor into scratch made once, exact, a finite
-  tensor whose sum overflows included (``copy_correct._finite_check``): nothing allocated per update, and a skipped
-  update writes nothing, so the profiles' versions stay; a clean one is the unguarded update, bit for bit. On CUDA it
-  is opt-in (``skip_nonfinite=True``): decided on the device as ``EMA`` does there (``copy_correct._nonfinite``: no
-  value read back, nothing allocated per update, every kernel run whatever the flag holds, each version raised by one
-  either way), with one flat staging copy of the live values in the profiles' dtype, shared by all profiles; that
-  staging made the guarded update 4.3x the plain one on an H200. A skipped update is an update that did not happen:
-  the step of the last *applied* update is kept (a 0-dim float64 tensor beside the profiles), and the next good update
-  at step ``t`` uses ``beta = (applied / t) ** (gamma + 1)``: on the CPU ``betas(t, applied)`` itself, on CUDA
-  computed on the device in float64 with ``betas``' operations. So each profile is exactly the power EMA of the
-  weights of the applied updates, each standing for the steps since the one before: the weights of a skipped
-  update's steps are replaced by those of the next applied update (at ``update_every=N``, a skipped sample merges
-  into the next, as if ``update_every`` were ``2N`` there). ``step``, ``update_every`` and ``snapshot_every`` count
-  calls, skipped or not; ``updated_step`` is the last update made, skipped or not; ``applied_step`` and ``skipped``
-  read the counters (on a GPU a sync, the reader's). A snapshot's ``step`` is the applied step (one taken with nothing
-  applied since the last rewrites that file, the same profiles under the same name), so ``synthesize``'s
-  power-function response stays exact: it reconstructs the post-hoc EMA of that trajectory, no approximation added;
-  against a run with nothing skipped, a skipped update at step ``s`` after an applied one at ``p`` moves the share
-  ``(s ** (g+1) - p ** (g+1)) / t ** (g+1)`` of a profile at step ``t`` from the weights of step ``s`` to those of
-  the next applied update. The snapshot also records ``skipped`` (the count so far); ``state_dict`` saves ``skipped``
-  and ``applied_step``. ``skip_nonfinite=True`` is refused for a model non-finite at construction and for a sharded
-  one (each rank would decide alone); the default is then off (with a warning naming the non-finite tensors), and
-  off for a sharded model.
+* ``skip_nonfinite=True`` (off by default): an update whose live parameters or floating buffers hold any NaN or Inf
+  leaves every profile bit for bit as it was (``-0.0`` entries and integer buffers included), decided once per update
+  for all profiles. With every profile on the CPU the live values (staged into the profiles' dtype where they differ, as
+  without the guard) are checked on the host before anything is written, one reduction per tensor into scratch made
+  once, exact, a finite tensor whose sum overflows included (``copy_correct._finite_check``): nothing allocated per
+  update, and a skipped update writes nothing, so the profiles' versions stay; a clean one is the unguarded update, bit
+  for bit. That costs 1.22x the plain update with two profiles on the large models of ``benchmarks/posthoc_ema.py`` and
+  1.67x on the digits MLP (2 CPU threads): within the price set for a default (1.35x on large models, 2x on small
+  ones), but the guarded update then trails
+  ema-pytorch's unguarded ``PostHocEMA.update`` (by 2% and 12%), so it stays opt-in, as ``EMA``'s does. On a GPU it is
+  decided on the device as ``EMA`` does there (``copy_correct._nonfinite``: no value read back, nothing allocated per
+  update, every kernel run whatever the flag holds, each version raised by one either way), with one flat staging copy
+  of the live values in the profiles' dtype, shared by all profiles; that staging made the guarded update 4.3x the plain
+  one on an H200. A skipped update is an update that did not happen: the step of the last *applied* update is kept (a
+  0-dim float64 tensor beside the profiles), and the next good update at step ``t`` uses ``beta = (applied / t) **
+  (gamma + 1)``: on the CPU ``betas(t, applied)`` itself, on CUDA computed on the device in float64 with ``betas``'
+  operations. So each profile is exactly the power EMA of the weights of the applied updates, each standing for the
+  steps since the one before: the weights of a skipped update's steps are replaced by those of the next applied update
+  (at ``update_every=N``, a skipped sample merges into the next, as if ``update_every`` were ``2N`` there). ``step``,
+  ``update_every`` and ``snapshot_every`` count calls, skipped or not; ``updated_step`` is the last update made, skipped
+  or not; ``applied_step`` and ``skipped`` read the counters (on a GPU a sync, the reader's). A snapshot's ``step`` is
+  the applied step (one taken with nothing applied since the last rewrites that file, the same profiles under the same
+  name), so ``synthesize``'s power-function response stays exact: it reconstructs the post-hoc EMA of that trajectory,
+  no approximation added; against a run with nothing skipped, a skipped update at step ``s`` after an applied one at
+  ``p`` moves the share ``(s ** (g+1) - p ** (g+1)) / t ** (g+1)`` of a profile at step ``t`` from the weights of step
+  ``s`` to those of the next applied update. The snapshot also records ``skipped`` (the count so far); ``state_dict``
+  saves ``skipped`` and ``applied_step``. ``skip_nonfinite=True`` is refused for a model non-finite at construction and
+  for a sharded one (each rank would decide alone, and agreeing would take a collective per update).
 
 Sharded models (FSDP2: every parameter a ``DTensor``, each rank holding its shard; ``sharded`` is True):
 
@@ -171,11 +172,10 @@ class PowerEMA:
             model's dtype otherwise.
         skip_nonfinite: skip every update whose live values hold a NaN or an Inf, leaving every profile bit for bit
             as it was; the next good update is made as if the skipped one had never been. ``skipped`` counts them.
-            ``None`` (the default): on where every profile is on the CPU, there checked on the host with one
-            reduction per tensor, exact, overflow included (``copy_correct._finite_check``), and a skipped update
-            writes nothing (the versions stay); off on CUDA, where ``True`` decides on the device from a staging copy
-            of the weights (measured 4.3x the plain update on an H200), off for a sharded model, and off, with a
-            warning, for a model holding a NaN or an Inf now. ``True`` is refused for the last two.
+            Off by default: on the CPU it costs one read of the weights (checked on the host, exact, nothing
+            allocated; a skipped update writes nothing), about 1.2x the update with two profiles; on a GPU it
+            decides on the device from a staging copy of the weights (4.3x the update on an H200). Refused for a
+            sharded model and for one holding a NaN or an Inf now.
 
     Every argument is checked here, in one line naming it and what it takes: a value of the wrong type (a string for
     a number, one number for ``sigma_rels``, a bool for an int, ``model.parameters()`` for the model) is a
@@ -193,7 +193,7 @@ class PowerEMA:
         snapshot_dir: str | os.PathLike[str] | None = None,
         include_buffers: bool = True,
         profile_dtype: torch.dtype | None = None,
-        skip_nonfinite: bool | None = None,
+        skip_nonfinite: bool = False,
     ) -> None:
         module("model", model)
         sigma_rels = _sigma_rels(sigma_rels)
@@ -228,7 +228,6 @@ class PowerEMA:
             skip_nonfinite,
             "PowerEMA",
             sharded=self.sharded,
-            on_host=all(t.device.type == "cpu" for profile in self.profiles for t in profile.values()),
             tensors={name: local(t) for name, t in self.profiles[0].items()},
         )
         self._guard: ProfilesGuard | FiniteCheck | None = None

@@ -33,8 +33,8 @@ reaches the average.
   trains on from the average (Lightning warns that the checkpoint's callback is missing).
 * Checkpoints hold the EMA state (callback state, tensors and numbers only: loads with
   ``weights_only=True``); resuming restores it, so a resumed run continues the same average.
-* ``skip_nonfinite`` (on by default where it costs one read of the weights: a CPU shadow; ``copy_correct.ema``): an
-  update whose live weights or floating buffers hold a NaN or an Inf is skipped, the average kept bit for bit; the
+* ``skip_nonfinite=True`` (opt-in, ``copy_correct.ema`` says what it costs): an update whose live weights or floating
+  buffers hold a NaN or an Inf is skipped, the average kept bit for bit; the
   count is logged as ``ema/skipped`` at the end of each training epoch, read once per epoch (on a GPU a sync), never
   per step, and the first epoch that skips warns once (``copy_correct.lightning._skip_log``).
 * Whenever a checkpoint is saved, it holds the same thing: a save during an EMA pass (``ModelCheckpoint`` on
@@ -129,7 +129,7 @@ class EMACallback(pl.Callback):
         include_buffers: bool = True,
         shadow_dtype: torch.dtype | None = None,
         device: str | None = None,
-        skip_nonfinite: bool | None = None,
+        skip_nonfinite: bool = False,
         evaluate: str = "both",
         suffix: str = "_ema",
         checkpoint_weights: str = "ema",

@@ -46,11 +46,9 @@ weights as Lightning saves them.
   resume; with ``save_distributed_checkpoint=False`` (one file) the profiles are gathered into full tensors, of
   which each rank takes its own part back on resume. A checkpoint spread otherwise than the model (another world
   size or placement) is refused, naming both (``CheckpointMismatch``, a ``ValueError``): the snapshot files of one
-  run are of one spread. ``skip_nonfinite`` is off there by default, and ``skip_nonfinite=True`` refused, as
-  ``PowerEMA`` refuses it.
-* ``skip_nonfinite`` (on by default where it costs one read of the weights: profiles on the CPU; on CUDA opt-in with
-  ``True``, the device guard staging a copy of the weights; ``copy_correct.power_ema``): an update whose live weights
-  or floating buffers hold a NaN or an Inf is skipped, leaving every profile bit for bit as it was
+  run are of one spread. ``skip_nonfinite=True`` is refused there, as ``PowerEMA`` refuses it.
+* ``skip_nonfinite=True`` (opt-in, ``copy_correct.power_ema`` says what it costs): an update whose live weights or
+  floating buffers hold a NaN or an Inf is skipped, leaving every profile bit for bit as it was
   (``copy_correct.power_ema`` says what the profiles then are); the count is logged as ``posthoc_ema/skipped`` at
   the end of each training epoch, read once per epoch (on a GPU a sync), never per step, and the first epoch that
   skips warns once (``copy_correct.lightning._skip_log``).
@@ -106,7 +104,7 @@ class PostHocEMACallback(pl.Callback):
         snapshot_dir: str | Path | None = None,
         include_buffers: bool = True,
         profile_dtype: torch.dtype | None = None,
-        skip_nonfinite: bool | None = None,
+        skip_nonfinite: bool = False,
         module: str | None = None,
     ) -> None:
         self._kwargs: dict[str, Any] = {

@@ -1,6 +1,6 @@
-"""``EMACallback``'s guard, on by default for a CPU module, in a real Trainer: a run whose weights turn NaN keeps a
-finite average, the skipped count is logged once per epoch (one read of the counter), not per step, and the first
-epoch that skips warns once."""
+"""``EMACallback(skip_nonfinite=True)`` in a real Trainer: a run whose weights turn NaN keeps a finite average, the
+skipped count is logged once per epoch (one read of the counter), not per step, and the first epoch that skips warns
+once."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class Diverging(Regressor):
         return loss * float("nan") if self.trainer.global_step == 10 else loss
 
 
-def test_a_diverging_run_keeps_a_finite_average_by_default_and_logs_the_skipped_count_once_per_epoch(
+def test_a_diverging_run_keeps_a_finite_average_and_logs_the_skipped_count_once_per_epoch(
     tmp_path: Path, monkeypatch
 ) -> None:
     reads = []
@@ -34,7 +34,7 @@ def test_a_diverging_run_keeps_a_finite_average_by_default_and_logs_the_skipped_
         return counted(ema)
 
     monkeypatch.setattr(EMA, "skipped", property(skipped))
-    callback = EMACallback(decay=0.9)  # the default: the guard is on for a module on the CPU
+    callback = EMACallback(decay=0.9, skip_nonfinite=True)
     t = trainer(tmp_path, [callback], limit_val_batches=0)
     with pytest.warns(
         UserWarning, match=r"EMA: 6 update\(s\) skipped in epoch 1: the live weights held NaN or Inf"
@@ -47,7 +47,7 @@ def test_a_diverging_run_keeps_a_finite_average_by_default_and_logs_the_skipped_
     assert t.callback_metrics["ema/skipped"].item() == 6  # steps 11 to 16
     assert reads == [8, 16]  # once per epoch
 
-    control = EMACallback(decay=0.9, skip_nonfinite=False)  # the average is NaN for good, and nothing is logged
+    control = EMACallback(decay=0.9)  # without the guard: the average is NaN for good, and nothing is logged
     unguarded = trainer(tmp_path, [control], limit_val_batches=0)
     unguarded.fit(Diverging(), loader(), loader())
     assert control.ema is not None and not torch.isfinite(control.ema.shadow["net.0.weight"]).all()

@@ -243,28 +243,27 @@ def test_the_decision_is_what_guards(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ema.shadow["0.weight"].isnan().any() and ema.skipped == 0
 
 
-def test_the_guard_is_on_by_default_for_a_cpu_average() -> None:
+def test_the_guard_of_a_cpu_average_decides_on_the_host() -> None:
     model = net()
-    ema = EMA(model, decay=0.9)
-    assert ema.skip_nonfinite and isinstance(ema._guard, FiniteCheck)
+    assert not EMA(model, decay=0.9).skip_nonfinite  # opt-in
+    ema = EMA(model, decay=0.9, skip_nonfinite=True)
+    assert isinstance(ema._guard, FiniteCheck)
     before = bits(ema.shadow)
     update_poisoned(ema, model, "buffer", -float("inf"))
     assert same_bits(bits(ema.shadow), before) and ema.skipped == 1
-    assert not EMA(model, skip_nonfinite=False).skip_nonfinite
-    with pytest.raises(TypeError, match=r"skip_nonfinite must be True, False or None .*got str 'yes'"):
+    with pytest.raises(TypeError, match=r"skip_nonfinite must be True or False, got str 'yes'"):
         EMA(model, skip_nonfinite="yes")  # type: ignore[arg-type]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_the_guard_is_opt_in_on_cuda_and_on_for_a_cpu_shadow_of_a_cuda_model() -> None:
-    """On CUDA the guard stages a copy of the weights on the device (about 4x the update on an H200): off by default.
-    A CPU shadow of a CUDA model is checked on the host after the device-to-host copy the update makes anyway."""
+def test_a_cuda_shadow_decides_on_the_device_and_a_cpu_shadow_of_a_cuda_model_on_the_host() -> None:
+    """On CUDA the guard stages a copy of the weights on the device; a CPU shadow of a CUDA model is checked on the
+    host after the device-to-host copy the update makes anyway."""
     model = net("cuda")
-    assert not EMA(model).skip_nonfinite
-    assert EMA(model, skip_nonfinite=True).skip_nonfinite
-    on_host = EMA(model, device="cpu")
-    assert on_host.skip_nonfinite and isinstance(on_host._guard, FiniteCheck)
+    assert not isinstance(EMA(model, skip_nonfinite=True)._guard, FiniteCheck)
+    on_host = EMA(model, device="cpu", skip_nonfinite=True)
+    assert isinstance(on_host._guard, FiniteCheck)
     before = bits(on_host.shadow)
     update_poisoned(on_host, model, "parameter", float("nan"))
     assert same_bits(bits(on_host.shadow), before) and on_host.skipped == 1
@@ -309,13 +308,12 @@ def test_a_copy_keeps_the_count_and_skips_once_given_the_model() -> None:
     assert ema.skipped == 1
 
 
-def test_a_model_that_is_not_finite_at_construction_is_refused_or_left_unguarded() -> None:
+def test_a_model_that_is_not_finite_at_construction_is_refused() -> None:
     model = net()
     model.register_buffer("mask", torch.full((4,), -float("inf")))
     with pytest.raises(ValueError, match=r"skip_nonfinite=True, but the model's \['mask'\] hold NaN or Inf"):
         EMA(model, skip_nonfinite=True)
-    with pytest.warns(RuntimeWarning, match=r"EMA: skip_nonfinite is off: the model's \['mask'\] hold NaN or Inf"):
-        ema = EMA(model)  # the default: off, said once
+    ema = EMA(model)
     assert not ema.skip_nonfinite and ema.skipped == 0
     ema.update(model)  # without the guard nothing is checked, nothing counted
     assert ema.skipped == 0

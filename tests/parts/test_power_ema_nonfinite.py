@@ -211,10 +211,11 @@ def test_the_decision_is_what_guards(monkeypatch: pytest.MonkeyPatch) -> None:
     assert ema.applied_step == 2
 
 
-def test_the_guard_is_on_by_default_for_cpu_profiles() -> None:
+def test_the_guard_on_cpu_profiles_decides_on_the_host_and_writes_nothing_when_it_skips() -> None:
     model = net()
-    ema = PowerEMA(model, SIGMAS)
-    assert ema.skip_nonfinite and isinstance(ema._guard, FiniteCheck)
+    assert not PowerEMA(model, SIGMAS).skip_nonfinite  # opt-in
+    ema = PowerEMA(model, SIGMAS, skip_nonfinite=True)
+    assert isinstance(ema._guard, FiniteCheck)
     train_step(model, 1)
     ema.update()
     before = profile_bits(ema)
@@ -223,18 +224,15 @@ def test_the_guard_is_on_by_default_for_cpu_profiles() -> None:
     assert all(same_bits(a, b) for a, b in zip(profile_bits(ema), before, strict=True)) and ema.skipped == 1
     assert [{k: v._version for k, v in profile.items()} for profile in ema.profiles] == versions
     assert (ema.applied_step, ema.updated_step, ema.snapshot()["step"]) == (1, 2, 1)
-    assert not PowerEMA(model, SIGMAS, skip_nonfinite=False).skip_nonfinite
-    with pytest.raises(TypeError, match=r"skip_nonfinite must be True, False or None .*got str 'yes'"):
+    with pytest.raises(TypeError, match=r"skip_nonfinite must be True or False, got str 'yes'"):
         PowerEMA(model, SIGMAS, skip_nonfinite="yes")  # type: ignore[arg-type]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_the_guard_is_opt_in_on_cuda() -> None:
-    """On CUDA the guard stages a copy of the weights on the device (4.3x the update on an H200): off by default; with
-    ``True``, the device guard, which stages itself (the groups' staging freed)."""
+def test_the_guard_on_cuda_decides_on_the_device() -> None:
+    """On CUDA the guard is the device one, which stages itself (the groups' staging freed)."""
     model = net("cuda", torch.bfloat16)
-    assert not PowerEMA(model, SIGMAS).skip_nonfinite
     guarded = PowerEMA(model, SIGMAS, skip_nonfinite=True)
     assert guarded.skip_nonfinite and not isinstance(guarded._guard, FiniteCheck)
     assert all(group.staging == [] for group in guarded._groups)
@@ -344,14 +342,12 @@ def test_synthesis_from_snapshots_with_skips_is_that_of_the_run_without_those_up
     assert not same_bits(bits(synthesize(paths, sigma_rel=0.07)), bits(reference))
 
 
-def test_a_model_not_finite_at_construction_is_refused_or_left_unguarded() -> None:
+def test_a_model_not_finite_at_construction_is_refused() -> None:
     model = net()
     model.register_buffer("mask", torch.full((4,), -float("inf")))
     with pytest.raises(ValueError, match=r"skip_nonfinite=True, but the model's \['mask'\] hold NaN or Inf"):
         PowerEMA(model, SIGMAS, skip_nonfinite=True)
-    warning = r"PowerEMA: skip_nonfinite is off: the model's \['mask'\] hold NaN or Inf"
-    with pytest.warns(RuntimeWarning, match=warning):
-        ema = PowerEMA(model, SIGMAS)  # the default: off, said once
+    ema = PowerEMA(model, SIGMAS)
     assert not ema.skip_nonfinite and ema._guard is None and ema.skipped == 0
     ema.update()  # without the guard nothing is checked, nothing counted: the -inf is averaged as it is (NaN)
     assert ema.skipped == 0 and all(not torch.isfinite(profile["mask"]).any() for profile in ema.profiles)
