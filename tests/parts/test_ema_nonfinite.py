@@ -233,6 +233,24 @@ def test_a_guarded_update_allocates_nothing_and_writes_only_when_it_averages(dev
     assert control.peak_bytes > 0 and {event.name for event in profile.function_events} & MAKERS
 
 
+def test_the_cpu_guard_keeps_no_copy_of_the_weights() -> None:
+    """The CPU guard's resident bytes are its check's scratch (one element per small tensor, one per row of a large
+    one, and a vector of ones as wide as the widest row): under 1% of these weights. The control: a staging copy, as
+    a float64 shadow of a float32 model keeps, is seen by the same probe at the size of the weights."""
+    model = net()
+    model.register_parameter("large", nn.Parameter(torch.randn(300, 300)))
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values() if t.is_floating_point())
+    kept = []  # the averages stay alive: the probe counts what they hold
+    with MemoryProbe("cpu") as plain:
+        kept.append(EMA(model, skip_nonfinite=False))
+    with MemoryProbe("cpu") as guarded:
+        kept.append(EMA(model, skip_nonfinite=True))
+    assert plain.net_bytes >= weights and 0 < guarded.net_bytes - plain.net_bytes < weights / 100
+    with MemoryProbe("cpu") as staged:  # the control: float64 shadow (2x the weights) and a staging of that size
+        kept.append(EMA(model, shadow_dtype=torch.float64))
+    assert staged.net_bytes >= 4 * weights  # the float64 shadow, 2x the weights, and its staging, 2x more
+
+
 def test_the_decision_is_what_guards(monkeypatch: pytest.MonkeyPatch) -> None:
     """The mutation control: with the check's answer forced to "finite", the same poisoned update poisons the average,
     so the tests above fail without the decision."""

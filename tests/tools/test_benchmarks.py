@@ -37,8 +37,9 @@ NEEDS_ALE = pytest.mark.skipif(importlib.util.find_spec("ale_py") is None, reaso
 
 
 @pytest.mark.parametrize(("module", "key", "first_row", "ratio"), [
-    ("benchmarks.ema", "ema-cpu", "| copy_correct.EMA.update |", "time / ours"),
-    ("benchmarks.posthoc_ema", "posthoc-ema-cpu", "| copy_correct.PowerEMA.update |", "mean error / ours"),
+    ("benchmarks.ema", "ema-cpu", "| copy_correct.EMA.update, skip_nonfinite=False |", "time / ours"),
+    ("benchmarks.posthoc_ema", "posthoc-ema-cpu", "| copy_correct.PowerEMA.update, skip_nonfinite=False |",
+     "mean error / ours"),
     ("benchmarks.model_changes", "model-changes-cpu", "| EMA.update (the check: one integer compare) |",
      "time / update"),
     ("benchmarks.target", "target-cpu", "| copy_correct.hard_update |", "time / ours"),

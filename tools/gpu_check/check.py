@@ -151,7 +151,7 @@ def copy_share_claims(bench_markdown: str) -> list[tuple[str, bool]]:
         if not caption.startswith("large"):
             continue
         for contender, cells in rows.items():
-            # a guarded update on the GPU moves the weights several times more (copy, check, mask): its figure is its cost
+            # a guarded update reads the weights more (a check; on a GPU a copy, a mask): its figure is its cost
             if contender.startswith("copy_correct.") and "skip_nonfinite=True" not in contender:
                 share = float(cells["% of copy bandwidth"].rstrip("%"))
                 claims.append((f"{contender} on {caption}: {share:.0f}% of copy bandwidth "
