@@ -511,9 +511,9 @@ class EMA:
             self.num_updates += 1
 
     def _average(self, copy: bool) -> None:
-        """The update, decided on the host under a ``FiniteCheck`` (a CPU shadow): the values averaged (staged into
-        the shadow's dtype and device where they differ) are checked before anything is written, and a non-finite one
-        skips the update whole, writing nothing (no version raised) and counting it in ``skipped``."""
+        """The update without a guard, or under a ``FiniteCheck`` (a CPU shadow): the values averaged (staged into the
+        shadow's dtype and device where they differ) are then checked on the host before anything is written, and a
+        non-finite one skips the update whole, writing nothing (no version raised) and counting it in ``skipped``."""
         values = []
         for group in self._groups:
             lives = self._checked_lives(group)
@@ -539,8 +539,8 @@ class EMA:
 
     @property
     def skipped(self) -> int:
-        """How many updates ``skip_nonfinite`` skipped (0 without it). The count is kept on the device: reading it
-        waits for the updates queued before (a sync, once per read, never in ``update``)."""
+        """How many updates ``skip_nonfinite`` skipped (0 without it). The count is kept beside the shadow: on a GPU
+        reading it waits for the updates queued before (a sync, once per read, never in ``update``)."""
         return int(self._skipped) if self.skip_nonfinite else 0
 
     # -- using the average ----------------------------------------------------------------------------
