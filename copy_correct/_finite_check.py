@@ -2,9 +2,11 @@
 tensor, for the guarded updates' CPU path (``EMA``, ``PowerEMA``, ``hard_update``, ``soft_update``).
 
 Copy contract: the check reads each tensor once and writes only its own scratch, allocated at construction (one
-element per small tensor, one per leading-dimension row of a large one, two per half-precision tensor); a call
-allocates nothing, not even inside a kernel, and reads one or two numbers back (a CPU tensor's value: no sync). The
-tensors are never written and autograd sees nothing (it runs under the caller's ``no_grad``).
+element per small tensor, one per leading-dimension row of a large one, two per long row, twice as many for a
+half-precision tensor); a call allocates nothing, not even inside a kernel (but for a one-dimensional tensor of more
+than ``GRAIN`` elements that is not contiguous, which ``aminmax`` copies first), and reads one or two numbers back (a
+CPU tensor's value: no sync). The tensors are never written and autograd sees nothing (it runs under the caller's
+``no_grad``).
 
 How, and why it is exact:
 
@@ -12,16 +14,19 @@ How, and why it is exact:
   (NaN propagates; ``inf + -inf`` is NaN), and finite when every element is, unless the finite elements' sum overflows.
   A sum to a single element of more than ``GRAIN`` elements runs in two passes over a per-thread buffer that the
   kernel allocates, so a large tensor is summed per row of its first dimension instead, into its own rows of the
-  scratch: as a matrix-vector product with a vector of ones (BLAS's gemv; the rows of a tensor that is not contiguous,
-  by the sum kernel). Both read every element once; from memory, gemv read the benchmarks' weights in 0.36-0.40 of
-  the time of the in-place lerp of the same tensors, the sum kernel in about 0.5 (2 CPU threads).
-* A float16/bfloat16 tensor (a half-precision average's staging) and a large one-dimensional one are reduced by
-  ``aminmax`` into two elements of the scratch: no overflow, and a sum in float32 would cast the tensor to a new one
-  first.
-* A sum of the scratch (``aminmax`` when it is larger than ``GRAIN`` or not finite) says whether every partial result
-  is finite. If one is not, each tensor whose partial result is not finite is read again with ``aminmax`` (exact: a
-  minimum and a maximum cannot overflow), so a finite tensor whose sum overflowed still counts as finite: an update is
-  never skipped for an overflow.
+  scratch: from ``_GEMV`` elements, as a matrix-vector product with a vector of ones (BLAS's gemv; the rows of a
+  tensor that is not contiguous, by the sum kernel). Both read every element once; from memory, gemv read the
+  benchmarks' weights in 0.36-0.40 of the time of the in-place lerp of the same tensors, the sum kernel in about 0.5
+  (2 CPU threads).
+* A float16/bfloat16 tensor (a half-precision average, or its staging) is reduced to its maxima and its minima (over
+  the same dims), exact where a sum in its precision would overflow and a sum in float32 would cast it to a new tensor
+  first; a tensor of one long row (one dimension, or a first dimension of 1) to its minimum and maximum by
+  ``aminmax``.
+* A sum of the scratch (``aminmax`` when it is larger than ``GRAIN``, half-precision, or not finite) says whether every
+  partial result is finite. If one is not, the tensor is read again for its maxima and minima over the same dims, into
+  its own elements of the scratch (a minimum and a maximum cannot overflow, and ``aminmax`` of a whole tensor that is
+  not contiguous would copy it), so a finite tensor whose sum overflowed still counts as finite: an update is never
+  skipped for an overflow.
 
 So the check costs one read of the weights, where an update in place reads two tensors and writes one: a third of it
 if a read-only stream moved bytes as fast as the update's streams; on the 2-core machine of ``docs/benchmarks.md`` it
@@ -31,7 +36,7 @@ moves them a little slower, and the check measures 0.36-0.40 of the update.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -44,64 +49,87 @@ _sum = torch._C._VariableFunctions.sum  # torch.sum without its Python wrapper: 
 
 
 class _Plan:
-    """How one group (one dtype, on the CPU) is reduced, per tensor: into which elements of the scratch, and how
-    (``hows``: the dims to sum; a vector of ones to multiply the rows by; ``None``: ``aminmax``)."""
+    """How one group (one dtype, on the CPU) is reduced, per tensor: over which dims (``dims``: all of them, into one
+    element; all but the first, into one element per row; ``None``: ``aminmax`` into two elements), into which
+    elements of the scratch (``outs``), and for a float32/float64 tensor of rows, the vector of ones that gemv
+    multiplies them by (``ones``). A float16/bfloat16 tensor's elements are its maxima then its minima."""
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         dtype = tensors[0].dtype
-        sizes: list[int] = []
-        self.hows: list[tuple[int, ...] | torch.Tensor | None] = []
+        self.half = dtype in _HALF
+        self.dims: list[tuple[int, ...] | None] = []
+        self.ones: list[torch.Tensor | None] = []
+        sizes = []
         widest = max((t.numel() // t.shape[0] for t in tensors if t.dim() >= 2 and t.shape[0]), default=0)
         ones = torch.ones(widest, dtype=dtype)
         for t in tensors:
-            if t.numel() == 0 or (t.numel() <= GRAIN and dtype not in _HALF):  # one element: a serial sum
-                sizes.append(1)
-                self.hows.append(tuple(range(t.dim())))
-            elif t.dim() >= 2 and t.shape[0] >= 2 and dtype not in _HALF:  # one element per row
-                sizes.append(t.shape[0])
-                self.hows.append(ones[: t.numel() // t.shape[0]] if t.numel() >= _GEMV else tuple(range(1, t.dim())))
-            else:
-                sizes.append(2)
-                self.hows.append(None)
+            if t.numel() <= GRAIN:  # one element: a serial reduction (an empty tensor sums to 0)
+                self.dims.append(tuple(range(t.dim())))
+                size = 1
+            elif t.dim() >= 2 and t.shape[0] >= 2:  # one element per row
+                self.dims.append(tuple(range(1, t.dim())))
+                size = t.shape[0]
+            else:  # one long row: a minimum and a maximum
+                self.dims.append(None)
+                size = 2
+            rows = size > 1 and self.dims[-1] is not None
+            self.ones.append(ones[: t.numel() // t.shape[0]] if rows and not self.half and t.numel() >= _GEMV else None)
+            sizes.append(size * 2 if self.half and self.dims[-1] is not None and t.numel() else size)
         self.scratch = torch.zeros(sum(sizes), dtype=dtype)
         self.outs: list[torch.Tensor] = []  # per tensor, its elements of the scratch
         offset = 0
         for size in sizes:
             self.outs.append(self.scratch[offset : offset + size])
             offset += size
-        self.targets = [  # where each reduction writes: an element, the rows, or a minimum and a maximum
-            (out[0], out[1]) if how is None else out.view(()) if out.numel() == 1 else out
-            for out, how in zip(self.outs, self.hows, strict=True)
-        ]
+        self.targets = [out.view(()) if out.shape[0] == 1 else out for out in self.outs]  # what a reduction writes
         self.low, self.high = torch.zeros((), dtype=dtype), torch.zeros((), dtype=dtype)
         self.total = torch.zeros((), dtype=dtype)
 
     def reduce(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Write every tensor's partial results into the scratch; whether all of them are finite."""
-        for t, target, how in zip(tensors, self.targets, self.hows, strict=True):
-            if isinstance(how, tuple):  # all dims (one element) or all but the first (the rows)
-                _sum(t, how, False, out=target)
-            elif how is None:
-                torch.aminmax(t, out=target)
-            elif t.is_contiguous():  # the rows times ones: BLAS's gemv, which reads faster than a sum here
-                torch.mv(t.view(target.shape[0], -1), how, out=target)
+        for t, target, dims, ones in zip(tensors, self.targets, self.dims, self.ones, strict=True):
+            if ones is None and not self.half and dims is not None:  # the usual small tensor: a sum
+                _sum(t, dims, False, out=target)
+            elif dims is None:
+                torch.aminmax(t, out=(target[0], target[1]))
+            elif ones is not None and t.is_contiguous():  # the rows times ones: BLAS's gemv reads faster here
+                torch.mv(t.view(target.shape[0], -1), ones, out=target)
+            elif self.half and t.numel():  # exact in half precision, where a sum would overflow
+                half = target.shape[0] // 2
+                _extreme(torch.amax, t, dims, target[:half])
+                _extreme(torch.amin, t, dims, target[half:])
             else:
-                _sum(t, tuple(range(1, t.dim())), False, out=target)
-        if self.scratch.numel() <= GRAIN and self.scratch.dtype not in _HALF:  # a serial sum, one number read back
+                _sum(t, dims, False, out=target)
+        if self.scratch.numel() <= GRAIN and not self.half:  # a serial sum, one number read back
             _sum(self.scratch, (0,), False, out=self.total)
             if math.isfinite(self.total.item()):
                 return True
         return self._finite(self.scratch)
 
     def exact(self, tensors: Sequence[torch.Tensor]) -> bool:
-        """Whether every tensor is finite, reading again with ``aminmax`` each one whose partial results are not."""
-        return all(self._finite(out) or self._finite(t) for t, out in zip(tensors, self.outs, strict=True))
+        """Whether every tensor is finite: each one whose partial results are not is read again for its maxima and
+        minima (into its own elements of the scratch: no copy of a tensor that is not contiguous, as ``aminmax`` of
+        the whole would make), which cannot overflow."""
+        for t, out, dims in zip(tensors, self.outs, self.dims, strict=True):
+            if self._finite(out):
+                continue
+            if dims is None or self.half:  # its elements already are its extremes
+                return False
+            for extreme in (torch.amax, torch.amin):
+                _extreme(extreme, t, dims, out)
+                if not self._finite(out):
+                    return False
+        return True
 
     def _finite(self, t: torch.Tensor) -> bool:
-        if t.numel() == 0:
-            return True
+        """Whether a contiguous part of the scratch is finite."""
         torch.aminmax(t, out=(self.low, self.high))
         return math.isfinite(self.low.item()) and math.isfinite(self.high.item())
+
+
+def _extreme(reduce: Callable[..., torch.Tensor], t: torch.Tensor, dims: tuple[int, ...], out: torch.Tensor) -> None:
+    """``torch.amax`` or ``torch.amin`` of ``t`` over ``dims`` into ``out`` (one element, or one per row)."""
+    reduce(t, dims, out=out.view(()) if out.shape[0] == 1 else out)
 
 
 class FiniteCheck:
