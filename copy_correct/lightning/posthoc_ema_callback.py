@@ -90,8 +90,7 @@ __all__ = ["PostHocEMACallback"]
 
 
 class PostHocEMACallback(pl.Callback):
-    """Args: those of ``PowerEMA`` (``sigma_rels`` ... ``skip_nonfinite``, by default on for profiles on the CPU and
-    off on CUDA, decided when ``fit`` starts, on the module); ``snapshot_dir`` defaults to
+    """Args: those of ``PowerEMA`` (``sigma_rels`` ... ``skip_nonfinite``); ``snapshot_dir`` defaults to
     ``power_ema/`` in the checkpoint directory; ``module``: the submodule to average (an attribute path of the
     LightningModule, ``"generator"``), ``None`` for all of it."""
 
