@@ -93,7 +93,8 @@ class _Plan:
             elif dims is None:
                 torch.aminmax(t, out=(target[0], target[1]))
             elif ones is not None and t.is_contiguous():  # the rows times ones: BLAS's gemv reads faster here
-                torch.mv(t.view(target.shape[0], -1), ones, out=target)
+                # addmv with beta=0 ignores what the target held (a NaN of the last call); torch 2.7's mv allocates
+                torch.addmv(target, t.view(target.shape[0], -1), ones, beta=0, out=target)
             elif self.half and t.numel():  # exact in half precision, where a sum would overflow
                 half = target.shape[0] // 2
                 _extreme(torch.amax, t, dims, target[:half])
