@@ -117,7 +117,7 @@ from torch import nn
 from copy_correct._average_module import average_module
 from copy_correct._checks import device as checked_device
 from copy_correct._checks import flag, floating_dtype, integer, module
-from copy_correct._finite_check import FiniteCheck
+from copy_correct._finite_check import FiniteCheck, checked_values
 from copy_correct._flat import flat_views
 from copy_correct._foreach_writes import foreach_copy_, foreach_lerp_
 from copy_correct._model_changes import Entry, ModelWatch, changes
@@ -514,19 +514,12 @@ class EMA:
         """The update without a guard, or under a ``FiniteCheck`` (a CPU shadow): the values averaged (staged into the
         shadow's dtype and device where they differ) are then checked on the host before anything is written, and a
         non-finite one skips the update whole, writing nothing (no version raised) and counting it in ``skipped``."""
-        values = []
-        for group in self._groups:
-            lives = self._checked_lives(group)
-            if group.staging:
-                foreach_copy_(group.staging, lives)
-                lives = group.staging
-            values.append(lives)
+        check = self._guard if isinstance(self._guard, FiniteCheck) else None  # a device guard does not come here
+        values = checked_values(self._groups, self._checked_lives, check, self._skipped if check is not None else None)
+        if values is None:
+            return
         k = self.num_updates
-        if self._guard is not None:
-            averaged = [lives for group, lives in zip(self._groups, values, strict=True) if group.average]
-            if not self._guard.finite(averaged):
-                self._skipped.add_(1.0)
-                return
+        if check is not None:
             k = int(self._applied)
             if not copy:
                 self._applied.add_(1.0)

@@ -87,7 +87,7 @@ from torch import nn
 
 from copy_correct._atomic_save import atomic_save
 from copy_correct._checks import flag, floating_dtype, integer, module, real, shown
-from copy_correct._finite_check import FiniteCheck
+from copy_correct._finite_check import FiniteCheck, checked_values
 from copy_correct._foreach_writes import foreach_copy_, foreach_lerp_
 from copy_correct._model_changes import Entry, ModelWatch, changes
 from copy_correct._module_tensors import TensorRefs, state_entries, unwrap
@@ -417,20 +417,11 @@ class PowerEMA:
         before anything is written, and a non-finite one skips the update whole, writing nothing (no version raised)
         and counting it in ``skipped``. A good one is the unguarded update, ``beta`` spanning from the last applied
         step."""
-        values = []
-        for group in self._groups:
-            lives = self._checked_lives(group)
-            if group.staging:
-                foreach_copy_(group.staging, lives)
-                lives = group.staging
-            values.append(lives)
-        previous = self.updated_step
-        if self._guard is not None:
-            averaged = [lives for group, lives in zip(self._groups, values, strict=True) if group.average]
-            if not self._guard.finite(averaged):
-                self._skipped.add_(1.0)  # a float: an int is wrapped as an int64 tensor, then cast (a new one)
-                return
-            previous = int(self._applied_step)  # a CPU tensor's value: no sync
+        check = self._guard if isinstance(self._guard, FiniteCheck) else None  # a device guard does not come here
+        values = checked_values(self._groups, self._checked_lives, check, self._skipped if check is not None else None)
+        if values is None:
+            return
+        previous = int(self._applied_step) if check is not None else self.updated_step  # a CPU tensor's value: no sync
         weights = [1.0 - beta for beta in self.betas(self.step, previous)]
         for group, lives in zip(self._groups, values, strict=True):
             for profile, weight in zip(group.profiles, weights, strict=True):
