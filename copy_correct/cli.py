@@ -52,7 +52,7 @@ def parser() -> argparse.ArgumentParser:
     top = _OneLineParser(prog="copy-correct", description=__doc__.split("\n\n")[0])
     commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_OneLineParser)
     post = commands.add_parser(
-        "posthoc", help="write checkpoints of post-hoc EMA weights from a run's PostHocEMACallback snapshots"
+        "posthoc", help="write checkpoints of post-hoc EMA weights from a run's PostHocEMASnapshots snapshots"
     )
     post.add_argument("run_dir", type=Path, help="the run's directory, or its folder of snapshots (power_ema/)")
     post.add_argument("--sigma-rel", type=_sigma_rel, nargs="+", required=True, help="the EMA widths, in (0, 0.2887)")

@@ -87,7 +87,7 @@ Sharded models (FSDP2: every parameter a ``DTensor``, each rank holding its shar
   as they are now instead of using a gathered copy of the values before.
 * ``state_dict`` holds the shadow as ``DTensor``s (save it with ``torch.distributed.checkpoint``) and, under
   ``layout``, how each one is spread. Buffers stay plain tensors, each rank's own, and a distributed checkpoint
-  keeps one copy of a plain tensor, as if every rank held the same: save them when they agree (``EMACallback``
+  keeps one copy of a plain tensor, as if every rank held the same: save them when they agree (``EMAWeights``
   makes them agree). ``load_state_dict`` takes ``DTensor``s or full plain tensors (each rank copies its own part;
   nothing is sent), and refuses, naming both, a state spread otherwise than the model (another world size, another
   placement, or unsharded): never resharded silently.

@@ -10,7 +10,7 @@ __all__ = ["CheckpointMismatch", "DamagedFile", "UnsafeFile"]
 
 class CheckpointMismatch(ValueError):
     """A checkpoint whose state does not fit the run restoring it: an EMA checkpointed for other shapes, shards or
-    placement (``copy_correct.lightning.EMACallback``), another environment's run (the ``dqn`` recipe). Raised while
+    placement (``copy_correct.lightning.EMAWeights``), another environment's run (the ``dqn`` recipe). Raised while
     Lightning restores the checkpoint, on every rank; ``train.py`` turns it into one line and exit status 2."""
 
 

@@ -1,4 +1,4 @@
-"""``copy-correct posthoc``: checkpoints of post-hoc EMA weights, synthesized from a run's ``PostHocEMACallback``
+"""``copy-correct posthoc``: checkpoints of post-hoc EMA weights, synthesized from a run's ``PostHocEMASnapshots``
 snapshots, that ``MyModule.load_from_checkpoint(path)`` reads (``copy_correct.cli`` parses the command line).
 
     copy-correct posthoc RUN_DIR --sigma-rel 0.08

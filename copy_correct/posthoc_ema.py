@@ -68,7 +68,7 @@ def snapshot_folder(path: str | os.PathLike[str]) -> Path:
     gives its ``power_ema/``. A ``ValueError`` naming ``path`` and the patterns when there is none, naming the
     folders when there are several."""
     path = Path(path)
-    files = f"files {' or '.join(SNAPSHOT_PATTERNS)}, which PostHocEMACallback writes into power_ema/"
+    files = f"files {' or '.join(SNAPSHOT_PATTERNS)}, which PostHocEMASnapshots writes into power_ema/"
     if not path.is_dir():
         what = "is a file" if path.exists() else "does not exist"
         raise ValueError(f"no PowerEMA snapshots at {path}: it {what} ({files}): give the run's directory")

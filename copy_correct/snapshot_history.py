@@ -5,7 +5,7 @@ A post-hoc EMA is combined from every snapshot up to its step (``copy_correct.sy
 (a resumed run's directory holding only its own: 12 of 23 files) it still solves, exits 0, and gives another average
 (6 tensors off by 5.9e-07), with no sign of the loss. Here:
 
-* A snapshot written by ``PostHocEMACallback`` names the step of the snapshot before it in its history (``previous``;
+* A snapshot written by ``PostHocEMASnapshots`` names the step of the snapshot before it in its history (``previous``;
   0 for the first), carried across a resume in the callback's checkpoint state. The history up to a step is the chain
   from the latest snapshot at or before it back to 0: a link to a step with no file is a gap, named with the step
   missing and the file that needs it. A final snapshot (``"final": True``, taken when a fit ends) is a link like any
@@ -60,7 +60,7 @@ def check_snapshot_history(
         more = f" (and {len(gaps) - 1} more)" if len(gaps) > 1 else ""
         raise ValueError(
             f"{gaps[0]}{more}: the post-hoc average would leave those steps out; a resumed run's directory holds the "
-            "earlier snapshots only when PostHocEMACallback carried them over (give the directory that has them)"
+            "earlier snapshots only when PostHocEMASnapshots carried them over (give the directory that has them)"
         )
 
 

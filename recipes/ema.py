@@ -4,7 +4,7 @@
     python train.py +recipe=ema data=images data.root=DIR             # your labelled images, a small CNN
 
 What it shows:
-  * ``EMACallback`` keeps an exponential moving average of every parameter and BatchNorm statistic in
+  * ``EMAWeights`` keeps an exponential moving average of every parameter and BatchNorm statistic in
     tensors of its own: no deep copy of the module, nothing added to ``parameters()`` or the optimiser.
   * Each update is one in-place ``_foreach_lerp_`` per dtype group under ``no_grad``: no allocation,
     no host sync, no graph.
@@ -14,7 +14,7 @@ What it shows:
     which averaging pays: ``summary.json`` holds both accuracies.
 
 Sharded (``python train.py +recipe=ema trainer=fsdp``): ``configure_model`` shards the network with FSDP2, so each
-process holds 1/N of every weight, and ``EMACallback`` keeps the average of its own shards only, 1/N of the shadow,
+process holds 1/N of every weight, and ``EMAWeights`` keeps the average of its own shards only, 1/N of the shadow,
 updated with no collective.
 
 The network follows the data (``model.network``, ``recipes/networks.py``): an MLP with BatchNorm for the 8x8 digits,
@@ -90,7 +90,7 @@ class NoisyClassifier(pl.LightningModule):
             return
         mesh = self.device_mesh["data_parallel"]
         # Copy decision: each Linear or Conv2d is a unit of its own, gathered for its forward and freed after it; the
-        # root keeps the rest (BatchNorm's weights). Every rank keeps 1/N of each weight, and EMACallback 1/N of the
+        # root keeps the rest (BatchNorm's weights). Every rank keeps 1/N of each weight, and EMAWeights 1/N of the
         # average: the average of a shard is the shard of the average, so updating it sends nothing.
         for layer in self.net.modules():
             if isinstance(layer, (nn.Linear, nn.Conv2d)):
@@ -107,7 +107,7 @@ class NoisyClassifier(pl.LightningModule):
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        # Runs twice per epoch under EMACallback: with the EMA weights swapped in (logged as `val/..._ema`),
+        # Runs twice per epoch under EMAWeights: with the EMA weights swapped in (logged as `val/..._ema`),
         # then with the live weights. Nothing here needs to know which.
         x, y = batch
         logits = self(x)

@@ -11,7 +11,7 @@ What it shows:
     callback undetached.
   * No ``.item()`` in the step: that would make the CPU wait for the device every batch.
   * The optimizer is fused AdamW: its step allocates nothing.
-  * ``GraphRetentionCallback`` (enabled in ``conf/recipe/metrics.yaml``) fails the run the first step any of
+  * ``GraphRetentionCheck`` (enabled in ``conf/recipe/metrics.yaml``) fails the run the first step any of
     this goes wrong, naming where the graph is held.
 
 Sharded (``trainer=fsdp``): ``configure_model`` shards the network with FSDP2; nothing else changes.

@@ -11,9 +11,9 @@ run, ``pyproject.toml`` and a README naming what to change first. Nothing is lis
   subpackage that re-exports (``copy_correct/lightning/``, ``copy_correct/probes/``) is reduced the same way, and
   comes only when one of its modules does.
 * A copied module's own test (``OWN_TESTS``: ``copy_correct/ema.py`` -> ``tests/parts/test_ema.py``,
-  ``copy_correct/lightning/ema_callback.py`` -> ``tests/lightning/test_ema_callback.py``) comes with it, and with
+  ``copy_correct/lightning/ema_weights.py`` -> ``tests/lightning/test_ema_weights.py``) comes with it, and with
   the modules it needs (the probes it measures with), unless it needs a recipe or a script.
-* A command that belongs with a copied module (``COMMANDS``: ``PostHocEMACallback`` -> ``copy-correct posthoc``,
+* A command that belongs with a copied module (``COMMANDS``: ``PostHocEMASnapshots`` -> ``copy-correct posthoc``,
   ``copy_correct/cli.py`` and ``copy_correct/__main__.py``) comes with it, installed by the starter's
   ``pyproject.toml`` as ours installs it (``[project.scripts]``); a starter without it has no ``[project.scripts]``.
 * Other tests: each test file that imports something the starter has and nothing it lacks, and that names
@@ -56,7 +56,7 @@ OWN_TESTS = {
 }
 # A command that belongs with a copied module: the starter that has the module gets the command's modules (and its
 # test runs). The command itself is installed by pyproject.toml's [project.scripts] (CLI is the module it names).
-COMMANDS = {"copy_correct.lightning.posthoc_ema_callback": ("copy_correct.cli", "copy_correct.__main__")}
+COMMANDS = {"copy_correct.lightning.posthoc_ema_snapshots": ("copy_correct.cli", "copy_correct.__main__")}
 CLI = "copy_correct.cli"
 _RECIPE_REF = re.compile(r"(?<![\w.])\+{0,2}recipe=(\w+)")
 _DEP_NAME = re.compile(r'^\s*"([A-Za-z0-9][A-Za-z0-9._-]*)')

@@ -148,7 +148,7 @@ def run_train(*args: str, timeout: int = 900) -> subprocess.CompletedProcess[str
 LONGEST_FIRST = (
     "recipes/test_resume", "tools/test_new_project", "lightning/test_atomic_sharded_checkpoint", "recipes/test_train",
     "distributed/test_fsdp", "recipes/test_ema", "tools/test_benchmarks", "distributed/test_ddp",
-    "recipes/test_bad_input", "tools/test_figures", "recipes/test_pinned", "lightning/test_ema_callback",
+    "recipes/test_bad_input", "tools/test_figures", "recipes/test_pinned", "lightning/test_ema_weights",
     "distributed/test_sharded_callback", "distributed/test_prefetch_ddp", "distributed/test_sharded",
 )  # fmt: skip
 

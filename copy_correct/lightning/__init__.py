@@ -1,9 +1,12 @@
 """The Lightning adapters: the tensor parts as callbacks and plugins, and the probes' Lightning halves. The only
 modules of the package that import Lightning.
 
+Callbacks are named for what they do, as Lightning's are (``ModelCheckpoint``, ``EarlyStopping``): no ``Callback``
+suffix.
+
 Adapters:
-    EMACallback          an EMA of the module, updated per optimizer step, evaluated, checkpointed
-    PostHocEMACallback   PowerEMA profiles of the module per optimizer step, snapshotted for post-hoc EMA
+    EMAWeights           an EMA of the module, updated per optimizer step, evaluated, checkpointed
+    PostHocEMASnapshots  PowerEMA profiles of the module per optimizer step, snapshotted for post-hoc EMA
     ResumeState          every rank's RNG states, recipe and seed in checkpoints; exact resume
     check_checkpoint     raises ``ValueError`` unless a checkpoint was stamped with this recipe and seed
     IsolatedEvaluation   each validation in ``fit`` leaves torch's, NumPy's and Python's generators as it found them
@@ -18,7 +21,7 @@ Adapters:
 
 Probes:
     StepProbe            audits one training batch's copies, measures memory growth per batch
-    GraphRetentionCallback  ``GraphRetentionGuard`` after every training batch, on the step's outputs and the module
+    GraphRetentionCheck  ``GraphRetentionGuard`` after every training batch, on the step's outputs and the module
 """
 
 # Lightning is the `lightning` extra, not a requirement of the tensor parts: without it, one line that says what to
@@ -33,12 +36,12 @@ except ModuleNotFoundError as missing:
 from copy_correct.lightning.atomic_checkpoint import AtomicCheckpointIO
 from copy_correct.lightning.atomic_sharded_checkpoint import AtomicModelParallelStrategy
 from copy_correct.lightning.data_wait import DataWaitMonitor
-from copy_correct.lightning.ema_callback import EMACallback
-from copy_correct.lightning.graph_guard import GraphRetentionCallback
+from copy_correct.lightning.ema_weights import EMAWeights
+from copy_correct.lightning.graph_guard import GraphRetentionCheck
 from copy_correct.lightning.isolated_evaluation import IsolatedEvaluation
 from copy_correct.lightning.last_checkpoint import LastCheckpoint
 from copy_correct.lightning.nonfinite_stop import NonFiniteStop, NonFiniteTraining
-from copy_correct.lightning.posthoc_ema_callback import PostHocEMACallback
+from copy_correct.lightning.posthoc_ema_snapshots import PostHocEMASnapshots
 from copy_correct.lightning.resume import ResumeState, check_checkpoint
 from copy_correct.lightning.run_summary import RunSummary
 from copy_correct.lightning.stale_temporaries import StaleTemporaries
@@ -48,13 +51,13 @@ __all__ = [
     "AtomicCheckpointIO",
     "AtomicModelParallelStrategy",
     "DataWaitMonitor",
-    "EMACallback",
-    "GraphRetentionCallback",
+    "EMAWeights",
+    "GraphRetentionCheck",
     "IsolatedEvaluation",
     "NonFiniteStop",
     "NonFiniteTraining",
     "LastCheckpoint",
-    "PostHocEMACallback",
+    "PostHocEMASnapshots",
     "ResumeState",
     "RunSummary",
     "StaleTemporaries",

@@ -3,10 +3,10 @@ on lightning 2.6.6; the supported range is ``lightning>=2.6.6,<2.7`` (``SUPPORTE
 
 Each adapter checks that what it needs is there before it uses it, before training (``check``: one ``RuntimeError``
 line naming what is missing and the Lightning installed), rather than failing deep inside a run or, worse, running on
-without effect: ``EMACallback`` in ``setup``, ``ResumeState`` when training starts, ``AtomicModelParallelStrategy``
+without effect: ``EMAWeights`` in ``setup``, ``ResumeState`` when training starts, ``AtomicModelParallelStrategy``
 when it is constructed.
 
-* ``install_run``/``remove_run`` (``EVALUATION_RUN``, ``EVALUATION_DISPATCH``): ``EMACallback`` wraps an evaluation
+* ``install_run``/``remove_run`` (``EVALUATION_RUN``, ``EVALUATION_DISPATCH``): ``EMAWeights`` wraps an evaluation
   loop's ``run`` by an attribute of the loop instance. Relies on Lightning calling ``loop.run()`` on the instance
   (``Trainer._run_stage``, ``Trainer._run_sanity_check``, ``_TrainingEpochLoop._run_validation``), so that the
   attribute is what runs. Only an evaluation can show that it was: the callback checks at each evaluation's start
@@ -104,7 +104,7 @@ def _evaluation_loops(trainer: Any) -> list[Any]:
     ]
 
 
-# -- evaluation loops (EMACallback) ---------------------------------------------------------------------------------
+# -- evaluation loops (EMAWeights) ---------------------------------------------------------------------------------
 
 EVALUATION_RUN = Internal(
     "evaluation loops' run, set on the loop instance",

@@ -1,4 +1,4 @@
-"""``GraphRetentionCallback``: ``GraphRetentionGuard``'s check after every training batch of a Lightning run.
+"""``GraphRetentionCheck``: ``GraphRetentionGuard``'s check after every training batch of a Lightning run.
 
 Copy contract: reads only, as the guard does (``copy_correct.probes.graph_guard``): it names each path that holds
 a graph and detaches nothing.
@@ -18,10 +18,10 @@ import lightning.pytorch as pl
 
 from copy_correct.probes.graph_guard import GraphRetentionGuard
 
-__all__ = ["GraphRetentionCallback"]
+__all__ = ["GraphRetentionCheck"]
 
 
-class GraphRetentionCallback(pl.Callback):
+class GraphRetentionCheck(pl.Callback):
     """Fail (or warn about) a run the training batch a graph outlives its step, naming each path and its bytes.
 
     Args:

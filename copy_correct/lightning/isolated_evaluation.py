@@ -15,7 +15,7 @@ Contract:
   (``Generator.clone_state``: a generator object, no tensor, no device sync). When a validation that ``fit`` runs ends
   (the callbacks' ``on_validation_end``, before ``ModelCheckpoint``'s, which Lightning always calls last) it puts those
   states back. So everything in between is undone: the iterator's draw, the module's validation steps and
-  ``on_validation_epoch_end``, the callbacks' evaluation hooks and ``EMACallback``'s EMA pass; and a checkpoint saved
+  ``on_validation_epoch_end``, the callbacks' evaluation hooks and ``EMAWeights``'s EMA pass; and a checkpoint saved
   at the end of the validation holds the generators as training left them, so a resume from it continues as the
   uninterrupted run does.
 * NumPy's and Python's global generators (``np.random``, ``random``) are kept when the validation starts (the

@@ -1,6 +1,6 @@
 """Probes: the tools that measure what code copies, allocates and keeps alive. They prove the training parts' copy
 contracts in the tests and work on any PyTorch code; no training part imports them. Torch only: their Lightning
-halves (``StepProbe``, ``GraphRetentionCallback``) are in ``copy_correct.lightning``.
+halves (``StepProbe``, ``GraphRetentionCheck``) are in ``copy_correct.lightning``.
 
     CopyAudit            every op that allocates storage or writes in place, with bytes
     CollectiveProbe      the collectives a block issues on this rank (all-gather, reduce-scatter, ...), with bytes

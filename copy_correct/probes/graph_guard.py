@@ -11,7 +11,7 @@ In any PyTorch loop, call ``check`` after each step with the objects to search, 
         ...
         guard.check(i, model=netG, samples=img_list, losses=G_losses)
 
-In Lightning, ``copy_correct.lightning.GraphRetentionCallback`` runs the same check after every training batch, on
+In Lightning, ``copy_correct.lightning.GraphRetentionCheck`` runs the same check after every training batch, on
 what ``training_step`` returned and on the LightningModule.
 
 The search is ``find_graph_refs``'s; each tensor found is weighed with ``graph_bytes``. A failing check raises

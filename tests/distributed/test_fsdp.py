@@ -25,7 +25,7 @@ from tests.recipes.test_resume import differences
 
 FSDP = ["trainer=fsdp", "trainer.accelerator=cpu"]  # 2 gloo processes: CPU-only by nature, like trainer=ddp's tests
 DCP_FILES = [".metadata", "__0_0.distcp", "__1_0.distcp", "digests.json", "meta.pt"]
-KEY = "EMACallback{'decay': 0.995}"
+KEY = "EMAWeights{'decay': 0.995}"
 FIRST = "net.body.1.weight"  # the first Linear of the ema recipe's MLP (body.0 is its Flatten)
 
 
@@ -230,7 +230,7 @@ def test_a_killed_sharded_run_resumed_from_its_directory_ends_bit_for_bit_as_the
     assert f"{KEY}/live/{FIRST}" in final["state_dict"]
     assert differences(final, resumed) == []
 
-    without_ema_state = "callbacks.ema._target_=tests.workers.without_state.EMACallbackWithoutState"
+    without_ema_state = "callbacks.ema._target_=tests.workers.without_state.EMAWeightsWithoutState"
     control = read(run("control", f"ckpt_path={killed}", without_ema_state), tmp_path / "control.pt")
     assert sorted(differences(final["state_dict"], control["state_dict"])) == sorted(
         f"/{name}" for name in final["callbacks"][KEY]["ema"]["shadow"] if "num_batches" not in name

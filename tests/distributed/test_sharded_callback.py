@@ -1,4 +1,4 @@
-"""``EMACallback`` under Lightning's ``ModelParallelStrategy`` (FSDP2), 2 CPU processes over gloo
+"""``EMAWeights`` under Lightning's ``ModelParallelStrategy`` (FSDP2), 2 CPU processes over gloo
 (``tests/workers/sharded_callback.py``): checkpoints hold the sharded average, in a distributed checkpoint directory
 or a single file, hold the average as the weights and the live weights in the callback state, also when saved during
 the EMA evaluation, and resume bit for bit. Controls: a resume without the EMA state (a fresh average), and saving
@@ -14,7 +14,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.conftest import run_rank_script
 
-KEY = "EMACallback{'decay': 0.9}"
+KEY = "EMAWeights{'decay': 0.9}"
 
 
 @pytest.fixture(scope="module")

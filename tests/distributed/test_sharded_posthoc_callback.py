@@ -1,4 +1,4 @@
-"""``PostHocEMACallback`` under Lightning's ``ModelParallelStrategy`` (FSDP2), 2 CPU processes over gloo
+"""``PostHocEMASnapshots`` under Lightning's ``ModelParallelStrategy`` (FSDP2), 2 CPU processes over gloo
 (``tests/workers/sharded_posthoc_ema.py``): every rank snapshots its own shards; joined, the snapshots equal the power
 EMA of the gathered weights bit for bit; checkpoints (a distributed checkpoint's directory, or one file) resume the
 profiles bit for bit; ``copy-correct posthoc`` writes a checkpoint of full weights from the ranks' files. A fit ending

@@ -1,6 +1,6 @@
 """The Lightning internals the adapters go through (``copy_correct.lightning._lightning_internals``): each adapter
 checks that what it needs is there before it uses it, and a Lightning without one stops before training, in one line
-naming it and the version installed; an ``EMACallback`` evaluation that Lightning does not run through the wrapped
+naming it and the version installed; an ``EMAWeights`` evaluation that Lightning does not run through the wrapped
 ``run`` stops instead of logging no EMA metrics. Each with its control: the Lightning installed runs."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
 
-from copy_correct.lightning import AtomicModelParallelStrategy, EMACallback, ResumeState, resume_data_order
+from copy_correct.lightning import AtomicModelParallelStrategy, EMAWeights, ResumeState, resume_data_order
 from copy_correct.lightning import _lightning_internals as internals
-from tests.lightning.test_ema_callback import Classifier, labelled, trainer
+from tests.lightning.test_ema_weights import Classifier, labelled, trainer
 
 
 def refusal(who: str, missing: str) -> str:
@@ -55,13 +55,13 @@ def test_ema_both_without_log_eval_end_metrics_stops_at_setup_and_ema_alone_does
     monkeypatch.delattr(_LoggerConnector, "log_eval_end_metrics")  # a Lightning without it
     module = Classifier()
     before = {name: value.clone() for name, value in module.state_dict().items()}
-    t = trainer(tmp_path, [EMACallback(decay=0.9)])
-    with raises_one_line(refusal("EMACallback(evaluate='both')", "trainer._logger_connector.log_eval_end_metrics")):
+    t = trainer(tmp_path, [EMAWeights(decay=0.9)])
+    with raises_one_line(refusal("EMAWeights(evaluate='both')", "trainer._logger_connector.log_eval_end_metrics")):
         t.fit(module, labelled())
     assert t.global_step == 0 and all(torch.equal(before[k], v) for k, v in module.state_dict().items())
 
     for evaluate in ("ema", "live"):  # the control: these never call it, so they train (no validation to log)
-        t = trainer(tmp_path, [EMACallback(decay=0.9, evaluate=evaluate)], max_epochs=1)
+        t = trainer(tmp_path, [EMAWeights(decay=0.9, evaluate=evaluate)], max_epochs=1)
         t.fit(Classifier(), labelled())
         assert t.global_step == 6
 
@@ -82,7 +82,7 @@ def test_an_evaluation_lightning_runs_outside_the_wrapped_run_stops_instead_of_d
     evaluate: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pl.seed_everything(0)
-    ema, module = EMACallback(decay=0.9, evaluate=evaluate), Classifier()
+    ema, module = EMAWeights(decay=0.9, evaluate=evaluate), Classifier()
     t = trainer(tmp_path, [ema], max_epochs=1)
     t.fit(module, labelled())
     (both,) = t.validate(module, labelled(48), verbose=False)  # the control: through the instance
@@ -94,10 +94,10 @@ def test_an_evaluation_lightning_runs_outside_the_wrapped_run_stops_instead_of_d
     assert both[f"val/loss{'_ema' if evaluate == 'both' else ''}"] == average["val/loss"]
 
     monkeypatch.setattr(pl.Trainer, "_run_stage", run_stage_by_the_class)
-    with raises_one_line(refusal(f"EMACallback(evaluate={evaluate!r})", internals.EVALUATION_DISPATCH)):
+    with raises_one_line(refusal(f"EMAWeights(evaluate={evaluate!r})", internals.EVALUATION_DISPATCH)):
         t.validate(module, labelled(48), verbose=False)
 
-    monkeypatch.setattr(EMACallback, "_check_dispatched", lambda self: None)  # the control: without the check
+    monkeypatch.setattr(EMAWeights, "_check_dispatched", lambda self: None)  # the control: without the check
     (live,) = t.validate(module, labelled(48), verbose=False)
     assert set(live) == {"val/acc", "val/loss"} and live["val/loss"] != average["val/loss"]  # silently the live model's
 

@@ -1,7 +1,7 @@
 """``IsolatedEvaluation``: a user's module (dropout in training, a plain shuffled ``DataLoader``, noise drawn in its
 validation step from torch's, NumPy's or Python's generator) trains to the same weights, optimizer state and
 generator states, bit for bit, whether it validates after every epoch, twice an epoch or once at the end (with
-``EMACallback``'s two evaluation passes: ``tests/lightning/test_ema_callback.py``); a checkpoint saved when a
+``EMAWeights``'s two evaluation passes: ``tests/lightning/test_ema_weights.py``); a checkpoint saved when a
 validation ends holds the generators as the training batch before it left them. The control of each: the same runs
 without the callback end elsewhere."""
 
@@ -66,7 +66,7 @@ def fit(device: str, schedule: dict[str, Any], callbacks: list[pl.Callback]) -> 
         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks, **schedule,
     )  # fmt: skip
     trainer.fit(module)
-    ema = [c.ema.state_dict()["shadow"] for c in callbacks if getattr(c, "ema", None) is not None]  # EMACallback's
+    ema = [c.ema.state_dict()["shadow"] for c in callbacks if getattr(c, "ema", None) is not None]  # EMAWeights's
     generators = [torch.get_rng_state(), *([torch.cuda.get_rng_state()] if device == "cuda" else [])]
     return {
         "weights": module.state_dict(),

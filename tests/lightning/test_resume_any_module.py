@@ -1,6 +1,6 @@
 """A user's own LightningModule resumed with ``trainer.fit(..., ckpt_path=...)`` ends bit for bit as the uninterrupted
 run: a module with BatchNorm, Dropout and ``torch.randn`` in its ``training_step``, a dataset whose ``__getitem__``
-draws its augmentation from the global generator, a plain ``DataLoader(batch_size=8, shuffle=True)``, ``EMACallback``,
+draws its augmentation from the global generator, a plain ``DataLoader(batch_size=8, shuffle=True)``, ``EMAWeights``,
 ``ResumeState()`` without arguments and ``ModelCheckpoint``; checkpoints at a batch's end mid-epoch, at a mid-epoch
 validation's end and at an epoch's end; ``accumulate_grad_batches`` 1 and 3. The final weights, the EMA shadow, the
 optimizer state and the order of the items trained on are compared with ``torch.equal`` and ``==``.
@@ -28,7 +28,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from copy_correct.lightning import EMACallback, ResumeState
+from copy_correct.lightning import EMAWeights, ResumeState
 from copy_correct.lightning.resume_data_order import TrainDataOrder, _restart_at_first_fetch
 
 ITEMS, BATCH, EPOCHS = 100, 8, 2  # 13 batches per epoch, the last one of 4 items
@@ -117,7 +117,7 @@ def fit(
     """One fit, as a user writes it; a resumed one seeds the process otherwise (a fresh process need not match)."""
     seed = 0 if ckpt_path is None else 1
     torch.manual_seed(seed), np.random.seed(seed), random.seed(seed)
-    model, ema = UserModule(**(module or {})), EMACallback(decay=0.9)
+    model, ema = UserModule(**(module or {})), EMAWeights(decay=0.9)
     checkpoints = [
         ModelCheckpoint(directory / "batch", "{step}", every_n_train_steps=4, save_top_k=-1),
         ModelCheckpoint(directory / "validation", "{step}", monitor="val/loss", save_top_k=-1),
@@ -324,7 +324,7 @@ def test_two_loaders_reloaded_every_epoch_resume_bit_for_bit(tmp_path: Path, mon
             monkeypatch.setattr(TrainDataOrder, "on_train_start", lambda self, trainer, state: None)
         seed = 0 if ckpt_path is None else 1
         torch.manual_seed(seed), np.random.seed(seed), random.seed(seed)
-        model, ema = TwoLoaders(), EMACallback(decay=0.9)
+        model, ema = TwoLoaders(), EMAWeights(decay=0.9)
         trainer = pl.Trainer(
             accelerator="cpu", max_epochs=EPOCHS, reload_dataloaders_every_n_epochs=1, limit_val_batches=0,
             callbacks=[ema, ResumeState(), ModelCheckpoint(tmp_path / name, "{step}", every_n_train_steps=4,

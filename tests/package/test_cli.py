@@ -1,6 +1,6 @@
 """``copy-correct``, the command installed with the package, as a pip user runs it: the console script beside this
 interpreter, from a folder outside the clone, with nothing of the checkout on the import path. A user's own small
-LightningModule (``USER_CODE``, written to that folder, not one of our recipes) trains with ``PostHocEMACallback``
+LightningModule (``USER_CODE``, written to that folder, not one of our recipes) trains with ``PostHocEMASnapshots``
 for fewer steps than its ``snapshot_every``; the fit's final snapshot is what ``copy-correct posthoc`` synthesizes
 from, and ``Module.load_from_checkpoint`` reads the checkpoint it writes as the synthesized weights (so do the four
 lines of Python the callback's docstring gives). ``python -m copy_correct`` is the same command;
@@ -37,7 +37,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from copy_correct.lightning import PostHocEMACallback
+from copy_correct.lightning import PostHocEMASnapshots
 
 
 class Mine(pl.LightningModule):
@@ -59,7 +59,7 @@ if __name__ == "__main__":
     data = TensorDataset(torch.randn(40, 4), torch.randint(0, 2, (40,)))
     trainer = pl.Trainer(
         accelerator="cpu", max_epochs=4, logger=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=sys.argv[1], callbacks=[PostHocEMACallback(), ModelCheckpoint(save_last=True)],
+        default_root_dir=sys.argv[1], callbacks=[PostHocEMASnapshots(), ModelCheckpoint(save_last=True)],
     )
     trainer.fit(Mine(width=10), DataLoader(data, batch_size=8))
 """

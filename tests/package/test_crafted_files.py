@@ -57,7 +57,7 @@ def control_runs_it(path: Path, marker: Path) -> None:
 
 
 def run_dir(tmp_path: Path) -> Path:
-    """A run as ``PostHocEMACallback`` and ``ModelCheckpoint`` leave it: ``checkpoints/last.ckpt`` and two snapshots
+    """A run as ``PostHocEMASnapshots`` and ``ModelCheckpoint`` leave it: ``checkpoints/last.ckpt`` and two snapshots
     in ``checkpoints/power_ema/``."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))

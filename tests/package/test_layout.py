@@ -97,7 +97,7 @@ def test_a_lazy_optional_import_is_imported_only_when_called_and_not_needed() ->
 def test_each_layer_imports_only_what_it_may() -> None:
     tree = SourceTree(ROOT)
     assert {"copy_correct.ema", "copy_correct.target", "copy_correct.replay"} <= set(modules_of(tree, PACKAGE))
-    assert {f"{LIGHTNING}.ema_callback", f"{LIGHTNING}.resume"} | PROBE_HALVES <= set(modules_of(tree, LIGHTNING))
+    assert {f"{LIGHTNING}.ema_weights", f"{LIGHTNING}.resume"} | PROBE_HALVES <= set(modules_of(tree, LIGHTNING))
     assert {f"{PROBES}.copy_audit", f"{PROBES}.memory_probe", f"{PROBES}.graph_guard"} <= set(modules_of(tree, PROBES))
     assert problems(tree) == {}
 

@@ -1,6 +1,7 @@
 """One rename, everywhere: no file of the checkout (code, configs, docs, CI) names a module or path that moved when
 the package got a name of its own: the ``components`` package, the flat ``tests/test_*.py`` files and
-``tests/scripts/``, the tools that were in ``scripts/``, the data modules that were beside the recipes. Each old
+``tests/scripts/``, the tools that were in ``scripts/``, the data modules that were beside the recipes; and the
+callbacks named with a ``Callback`` suffix, now named for what they do as Lightning's are. Each old
 form is given with the text that replaced it, and the control shows each old form caught in a file of its kind."""
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ RETIRED = {
     r"\bscripts[./](?:bench_|figure|gpu_check|docs_hooks)": "benchmarks/, tools/manual/, tools/gpu_check/",
     r"\btests/(?:test_\w+\.py|scripts/)|\btests\.(?:test_\w+|scripts)\b": "tests/<layer>/test_*.py, tests/workers/",
     r"\brecipes[./](?:digits|image_folder)\b": "recipes/data/",
+    r"\b(?:PostHocEMA|EMA|GraphRetention)Callback\b": "PostHocEMASnapshots, EMAWeights, GraphRetentionCheck",
+    r"\b(?:posthoc_)?ema_callback\b": "copy_correct/lightning/ema_weights.py, posthoc_ema_snapshots.py",
 }
 TEXT = (".py", ".md", ".yaml", ".yml", ".toml", ".sh", ".txt", ".cfg", ".ini", ".js", ".css", ".html")
 THIS_FILE = Path(__file__).resolve().relative_to(ROOT).as_posix()
@@ -57,13 +60,16 @@ def test_no_file_names_a_retired_module_or_path() -> None:
 CONTROLS = [
     ("recipes/x.py", "from components import EMA\n"),
     ("tools/x.py", "import components.probes\n"),
-    ("conf/recipe/x.yaml", "callbacks:\n  ema:\n    _target_: components.EMACallback\n"),
+    ("conf/recipe/x.yaml", "callbacks:\n  ema:\n    _target_: components.EMAWeights\n"),
     ("docs/x.md", "See [the EMA](../components/ema.py).\n"),
     ("docs/x.md", "Run `python scripts/bench_ema.py`.\n"),
     ("mkdocs.yml", "hooks:\n  - scripts/docs_hooks.py\n"),
     ("docs/x.md", "Proven in [a test](../tests/test_ema.py).\n"),
     ("tests/x.py", 'WORKER = "tests/scripts/ddp_ema.py"\n'),
     ("conf/data/x.yaml", "_target_: recipes.digits.DigitsDataModule\n"),
+    ("recipes/x.py", "from copy_correct.lightning import EMACallback\n"),
+    ("conf/recipe/x.yaml", "_target_: copy_correct.lightning.GraphRetentionCallback\n"),
+    ("docs/x.md", "[the callback](../copy_correct/lightning/posthoc_ema_callback.py)\n"),
 ]
 
 

@@ -92,7 +92,7 @@ import importlib.util, json, sys
 import components, recipes
 from copy_correct import EMA, ReplayBuffer, make_target
 heavy = sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r}))
-from copy_correct.lightning import EMACallback
+from copy_correct.lightning import EMAWeights
 from copy_correct.probes import MemoryProbe
 import copy_correct
 print(json.dumps({{

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from copy_correct import PowerEMA
-from copy_correct.lightning import PostHocEMACallback
+from copy_correct.lightning import PostHocEMASnapshots
 from tests.parts.test_power_ema_nonfinite import net, train_step
 
 COPIES: dict[str, Callable[[Any], Any]] = {
@@ -125,7 +125,7 @@ def test_a_copied_callback_gives_its_profiles_the_module_when_fit_starts() -> No
 
     module = nn.Module()
     module.net = net()
-    callback = PostHocEMACallback(module="net")
+    callback = PostHocEMASnapshots(module="net")
     callback.power_ema = PowerEMA(module.net)
     twin = pickle.loads(pickle.dumps(callback))
     assert twin.power_ema is not None and twin.power_ema.live_model is None

@@ -106,7 +106,7 @@ def replay_add(device: torch.device) -> tuple[torch.Tensor, Callable[[], None]]:
 
 def rank_zero_buffers(device: torch.device) -> tuple[torch.Tensor, Callable[[], None]]:
     model = net(device)
-    buffers = RankZeroBuffers()  # what EMACallback and a sharded PostHocEMACallback run before each update
+    buffers = RankZeroBuffers()  # what EMAWeights and a sharded PostHocEMASnapshots run before each update
     trainer = SimpleNamespace(world_size=2)  # this process plays rank 1 of two; only the size is read
 
     def write() -> None:
@@ -137,7 +137,7 @@ WRITERS: dict[str, Writer] = {
     "EMA.average_weights, entering": swap_in,
     "EMA.average_weights, leaving": swap_back,
     "ReplayBuffer.add": replay_add,
-    "rank 0's buffers (EMACallback, PostHocEMACallback)": rank_zero_buffers,
+    "rank 0's buffers (EMAWeights, PostHocEMASnapshots)": rank_zero_buffers,
     "GradientAverager.average": gradient_average,
 }
 

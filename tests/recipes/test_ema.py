@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from copy_correct.lightning import EMACallback, StepProbe
+from copy_correct.lightning import EMAWeights, StepProbe
 from copy_correct.probes import shares_storage
 from recipes.build import build
 from recipes.networks import ConvClassifier
@@ -62,12 +62,12 @@ def test_training_step_ema_update_allocates_nothing_and_memory_stays_flat(
     )  # fmt: skip
     trainer, model, datamodule = build(cfg)
     probe = StepProbe(start=5, steps=60)
-    trainer.callbacks.append(probe)  # after EMACallback: the audited batch includes the EMA update
+    trainer.callbacks.append(probe)  # after EMAWeights: the audited batch includes the EMA update
     trainer.fit(model, datamodule=datamodule)
     floating = sum(1 for t in model.state_dict().values() if t.is_floating_point())
     assert probe.audit.count("_foreach_lerp_") == floating
     assert probe.growth_bytes <= 64, probe.report()  # a few scalars Lightning keeps; nothing per step
-    (ema,) = [c for c in trainer.callbacks if isinstance(c, EMACallback)]
+    (ema,) = [c for c in trainer.callbacks if isinstance(c, EMAWeights)]
     assert ema.ema is not None
     optimized = [p for group in trainer.optimizers[0].param_groups for p in group["params"]]
     for shadow in ema.ema.shadow.values():

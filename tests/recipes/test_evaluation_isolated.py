@@ -51,7 +51,7 @@ DQN_OFTEN, DQN_ONCE = ("model.eval_every=256",), ("model.eval_every=1024",)
 # What each recipe's training state must hold, so that comparing it is not comparing nothing.
 MUST_HOLD = {
     "gan": ["generator_ema/shadow/net.0.weight", "generator_live/net.0.weight", "optimizer_states/1/state"],
-    "ema": ["callbacks/EMACallback{'decay': 0.995}/ema/shadow/net.body.2.running_mean", "optimizer_states/0/state"],
+    "ema": ["callbacks/EMAWeights{'decay': 0.995}/ema/shadow/net.body.2.running_mean", "optimizer_states/0/state"],
     "metrics": ["state_dict/net.0.weight", "optimizer_states/0/state"],
     "pinned": ["state_dict/net.0.weight", "optimizer_states/0/state", "PinnedDigitsDataModule/shuffle"],
     "dqn": ["state_dict/target.net.0.weight", "replay_buffer/obs", "dqn/rng", "dqn/sampler", "dqn/curve"],
@@ -155,14 +155,14 @@ def test_dqn_evaluating_every_round_trains_as_evaluating_once(tmp_path: Path, mo
 
 
 def test_ema_validating_every_epoch_trains_as_validating_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Both of ``EMACallback``'s passes (the average, then the live weights) run in eval mode and put the live weights
+    """Both of ``EMAWeights``'s passes (the average, then the live weights) run in eval mode and put the live weights
     back bit for bit. The control: a validation left in train mode, whose batches move the BatchNorm statistics of the
     weights being trained (and so the average of them)."""
     once = training_state("ema", tmp_path / "once", *ONCE)
     assert_same_training("ema", training_state("ema", tmp_path / "often", *OFTEN), once)
     monkeypatch.setattr(NoisyClassifier, "on_validation_model_eval", lambda self: None)
     control = training_state("ema", tmp_path / "control", *OFTEN)
-    assert "/callbacks/EMACallback{'decay': 0.995}/live/net.body.2.running_mean" in moved(control, once)
+    assert "/callbacks/EMAWeights{'decay': 0.995}/live/net.body.2.running_mean" in moved(control, once)
 
 
 def test_metrics_validating_every_epoch_trains_as_validating_once(

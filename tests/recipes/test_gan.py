@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from copy_correct.lightning import GraphRetentionCallback
+from copy_correct.lightning import GraphRetentionCheck
 from copy_correct.posthoc_ema import load_snapshot, snapshot_paths
 from copy_correct.probes import CopyAudit, MemoryProbe
 from recipes import build as run_builder
@@ -99,7 +99,7 @@ def test_each_step_writes_gradients_only_into_its_own_network_and_logs_no_graph(
     overrides: tuple[str, ...], image_folder: Path, tmp_path: Path
 ) -> None:
     trainer, model, datamodule = build(overrides, image_folder, tmp_path, "trainer.max_steps=6")
-    inspector, guard = StepInspector(), GraphRetentionCallback(mode="raise")
+    inspector, guard = StepInspector(), GraphRetentionCheck(mode="raise")
     trainer.callbacks += [inspector, guard]  # the guard fails the fit at the first step whose outputs hold a graph
     trainer.fit(model, datamodule=datamodule)
     assert inspector.checked == {"generator": 3, "discriminator": 3}  # Lightning counts each optimizer's step

@@ -2,7 +2,7 @@
 
 Each control is the recipe's module with one line changed. Measured the same way (MemoryProbe's CPU
 ledger inside a real Trainer), each leaks at least one hidden activation per step, the detached
-variant of the same code does not, and GraphRetentionCallback names where the graph is held.
+variant of the same code does not, and GraphRetentionCheck names where the graph is held.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torchmetrics.classification import MulticlassAUROC
 
-from copy_correct.lightning import GraphRetentionCallback, StepProbe
+from copy_correct.lightning import GraphRetentionCheck, StepProbe
 from copy_correct.probes import CopyAudit, GraphRetentionError
 from copy_correct.probes._storage_events import human_bytes
 from recipes.build import build
@@ -190,8 +190,8 @@ def test_backward_frees_the_activations_of_a_kept_loss_path_tensor_but_not_its_g
     print(f"loss-path logits: {leaking:.0f} B/step undetached, {fixed:.0f} B/step detached")
     assert leaking == fixed == logits_bytes
     with pytest.raises(GraphRetentionError, match=r"module\.kept\[0\] \(0 B\)\. A graph at 0 B"):
-        _fit(KeepsLossPathLogits(detach=False), [GraphRetentionCallback()], max_steps=2)
-    _fit(KeepsLossPathLogits(detach=False), [GraphRetentionCallback(min_bytes=1)], max_steps=2)  # nodes only: passes
+        _fit(KeepsLossPathLogits(detach=False), [GraphRetentionCheck()], max_steps=2)
+    _fit(KeepsLossPathLogits(detach=False), [GraphRetentionCheck(min_bytes=1)], max_steps=2)  # nodes only: passes
 
 
 @pytest.mark.parametrize("name", CONTROLS)
@@ -201,10 +201,10 @@ def test_guard_names_the_leak(name: str) -> None:
     cls, path = CONTROLS[name]
     shown = rf"{re.escape(path)} \({re.escape(human_bytes(PROBE_GRAPH_BYTES))}\)"
     with pytest.raises(GraphRetentionError, match=rf"step 1: 1 tensor\(s\) .*: {shown}\."):
-        _fit(cls(detach=False), [GraphRetentionCallback()], max_steps=3)
-    _fit(cls(detach=True), [GraphRetentionCallback()], max_steps=3)  # control: the fix passes the guard
+        _fit(cls(detach=False), [GraphRetentionCheck()], max_steps=3)
+    _fit(cls(detach=True), [GraphRetentionCheck()], max_steps=3)  # control: the fix passes the guard
 
 
 def test_guard_warn_mode_keeps_training() -> None:
     with pytest.warns(RuntimeWarning, match="autograd graph"):
-        _fit(ReturnsExtra(detach=False), [GraphRetentionCallback(mode="warn")], max_steps=2)
+        _fit(ReturnsExtra(detach=False), [GraphRetentionCheck(mode="warn")], max_steps=2)

@@ -50,10 +50,10 @@ RUNS = {
     ],
 }  # fmt: skip
 RECIPE = {"atari": "dqn"}  # a configuration of another recipe
-POSTHOC_EMA = "callbacks/PostHocEMACallback{'sigma_rels': (0.05, 0.1), 'module': 'generator'}"
+POSTHOC_EMA = "callbacks/PostHocEMASnapshots{'sigma_rels': (0.05, 0.1), 'module': 'generator'}"
 # What each recipe's checkpoint must hold, so that comparing it is not comparing nothing.
 MUST_HOLD = {
-    "ema": ["callbacks/EMACallback{'decay': 0.995}/ema/shadow/net.body.1.weight", "DigitsDataModule/shuffle"],
+    "ema": ["callbacks/EMAWeights{'decay': 0.995}/ema/shadow/net.body.1.weight", "DigitsDataModule/shuffle"],
     "dqn": ["state_dict/target.net.0.weight", "replay_buffer/obs", "dqn/rng", "dqn/episode_actions"],
     "gan": [
         "generator_ema/shadow/net.0.weight",

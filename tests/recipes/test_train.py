@@ -51,7 +51,7 @@ def test_recipe_objects_instantiate_from_config(tmp_path: Path) -> None:
     trainer, model, datamodule = build(cfg)
     assert type(model).__name__ == "DigitsClassifier" and datamodule is not None
     names = {type(c).__name__ for c in trainer.callbacks}
-    assert {"ModelCheckpoint", "RunSummary", "GraphRetentionCallback"} <= names
+    assert {"ModelCheckpoint", "RunSummary", "GraphRetentionCheck"} <= names
     assert Path(instantiate(cfg.logger.csv).log_dir) == tmp_path
 
 

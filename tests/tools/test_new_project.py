@@ -132,7 +132,7 @@ def test_starter_holds_only_the_modules_and_tests_it_needs(tmp_path: Path) -> No
     assert (dqn / "copy_correct" / "replay.py").is_file() and (dqn / "tests" / "parts" / "test_replay.py").is_file()
     assert not (dqn / "recipes" / "data" / "digits.py").exists()
     assert (metrics / "recipes" / "data" / "digits.py").is_file()
-    assert (ema / "tests" / "workers" / "ddp_ema.py").is_file()  # named by test_ema_callback.py, which is copied
+    assert (ema / "tests" / "workers" / "ddp_ema.py").is_file()  # named by test_ema_weights.py, which is copied
     for dest in (metrics, ema, dqn):
         assert not {"test_benchmarks.py", "test_new_project.py", "test_layout.py"} & {p.name for p in dest.rglob("*")}
         assert not {"scripts", "tools", "benchmarks"} & {p.name for p in dest.iterdir()}
@@ -141,7 +141,7 @@ def test_starter_holds_only_the_modules_and_tests_it_needs(tmp_path: Path) -> No
         "metrics"
     ]
     lightning = (metrics / "copy_correct" / "lightning" / "__init__.py").read_text()
-    assert "GraphRetentionCallback" in lightning and "EMACallback" not in lightning
+    assert "GraphRetentionCheck" in lightning and "EMAWeights" not in lightning
     init = (metrics / "copy_correct" / "__init__.py").read_text()
     assert "copy_correct.ema import" not in init and '"EMA"' not in init and "ReplayBuffer" not in init
     assert '"gymnasium' in (dqn / "pyproject.toml").read_text()
@@ -160,7 +160,7 @@ def test_starter_holds_only_the_modules_and_tests_it_needs(tmp_path: Path) -> No
 
 
 def test_the_posthoc_command_comes_with_the_callback_installed_as_ours_is(tmp_path: Path) -> None:
-    """The gan starter has ``PostHocEMACallback``, so it gets ``copy-correct`` (``copy_correct/cli.py``, what it runs,
+    """The gan starter has ``PostHocEMASnapshots``, so it gets ``copy-correct`` (``copy_correct/cli.py``, what it runs,
     and ``__main__.py``) and the ``[project.scripts]`` entry that installs it; the ema starter, without the callback,
     gets neither (an entry naming a module it lacks would install a command that fails). No ``scripts/`` folder."""
     gan, ema = generate("gan", tmp_path / "gan"), generate("ema", tmp_path / "ema")

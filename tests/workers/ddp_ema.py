@@ -1,4 +1,4 @@
-"""Run by tests/lightning/test_ema_callback.py: 2 CPU processes (gloo) train with EMACallback; each rank saves its
+"""Run by tests/lightning/test_ema_weights.py: 2 CPU processes (gloo) train with EMAWeights; each rank saves its
 shadow."""
 
 import sys
@@ -11,13 +11,13 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from copy_correct.lightning import EMACallback
+from copy_correct.lightning import EMAWeights
 from copy_correct.lightning._rank_zero_buffers import RankZeroBuffers
-from tests.lightning.test_ema_callback import Regressor
+from tests.lightning.test_ema_weights import Regressor
 
 
 class SaveShadow(pl.Callback):
-    def __init__(self, ema: EMACallback, out: Path) -> None:
+    def __init__(self, ema: EMAWeights, out: Path) -> None:
         self.ema, self.out = ema, out
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -30,7 +30,7 @@ class NoSync(RankZeroBuffers):
         pass
 
 
-class WithoutBufferSync(EMACallback):
+class WithoutBufferSync(EMAWeights):
     """The control: each rank averages its own BatchNorm statistics."""
 
     def __init__(self, **kwargs: Any) -> None:
@@ -44,7 +44,7 @@ if __name__ == "__main__":
     pl.seed_everything(0)
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(256, 8, generator=generator), torch.randn(256, 1, generator=generator))
-    ema = (WithoutBufferSync if control else EMACallback)(decay=0.9)
+    ema = (WithoutBufferSync if control else EMAWeights)(decay=0.9)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_epochs=2, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[ema, SaveShadow(ema, out)],

@@ -1,4 +1,4 @@
-"""Run by tests/lightning/test_posthoc_ema_callback.py: 2 CPU processes (gloo, DDP) train with PostHocEMACallback
+"""Run by tests/lightning/test_posthoc_ema_snapshots.py: 2 CPU processes (gloo, DDP) train with PostHocEMASnapshots
 and a ModelCheckpoint; each rank saves its step counters, its profiles and whether it writes snapshots."""
 
 import sys
@@ -10,12 +10,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from copy_correct.lightning import PostHocEMACallback
-from tests.lightning.test_posthoc_ema_callback import Regressor, loader
+from copy_correct.lightning import PostHocEMASnapshots
+from tests.lightning.test_posthoc_ema_snapshots import Regressor, loader
 
 
 class SaveProfiles(pl.Callback):
-    def __init__(self, callback: PostHocEMACallback, out: Path) -> None:
+    def __init__(self, callback: PostHocEMASnapshots, out: Path) -> None:
         self.callback, self.out = callback, out
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -28,7 +28,7 @@ class SaveProfiles(pl.Callback):
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     pl.seed_everything(0)
-    callback = PostHocEMACallback(snapshot_every=2)
+    callback = PostHocEMASnapshots(snapshot_every=2)
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, accumulate_grad_batches=2, logger=False,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,

@@ -1,7 +1,7 @@
 """A callback the DDP tests add with ``+callbacks.rank_state``: each rank saves what it ended with.
 
 Saved to ``DIRPATH/rank{R}.pt`` (tensors only, loads with ``weights_only=True``): the module's state_dict,
-the EMA shadow (``EMACallback``) or the GAN's generator EMA when present, the logged metrics, the global
+the EMA shadow (``EMAWeights``) or the GAN's generator EMA when present, the logged metrics, the global
 RNG state, and, for a
 classifier, this rank's own count of validation samples, correct predictions and summed loss, computed
 after fit on the validation shard this rank was given. Sharded tensors (``trainer=fsdp``) are saved gathered (every
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from copy_correct._sharding import is_sharded
-from copy_correct.lightning import EMACallback
+from copy_correct.lightning import EMAWeights
 
 
 class SaveRankState(pl.Callback):
@@ -30,7 +30,7 @@ class SaveRankState(pl.Callback):
             "metrics": {k: v.detach().cpu().clone() for k, v in trainer.callback_metrics.items()},
             "rng": torch.get_rng_state(),
         }
-        ema = next((c.ema for c in trainer.callbacks if isinstance(c, EMACallback)), None)
+        ema = next((c.ema for c in trainer.callbacks if isinstance(c, EMAWeights)), None)
         ema = ema or getattr(pl_module, "g_ema", None)
         if ema is not None:
             state["ema"] = {k: _full(v).cpu().clone() for k, v in ema.shadow.items()}

@@ -1,5 +1,5 @@
 """Run by tests/distributed/test_sharded_callback.py: 2 gloo processes train an FSDP2-sharded Regressor with
-``EMACallback`` under Lightning's ``ModelParallelStrategy``, several times in the same processes, and save what the
+``EMAWeights`` under Lightning's ``ModelParallelStrategy``, several times in the same processes, and save what the
 tests compare.
 
 Runs (``evaluate="ema"``; a ``ModelCheckpoint`` saves at the end of every validation, inside the EMA pass):
@@ -29,10 +29,10 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from copy_correct._sharding import is_sharded
-from copy_correct.lightning import EMACallback
-from tests.lightning.test_ema_callback import Regressor, loader
+from copy_correct.lightning import EMAWeights
+from tests.lightning.test_ema_weights import Regressor, loader
 from tests.workers import end_rank, join_as_lightning_rank
-from tests.workers.without_state import EMACallbackWithoutState
+from tests.workers.without_state import EMAWeightsWithoutState
 
 
 class ShardedRegressor(Regressor):
@@ -52,7 +52,7 @@ class ShardedRegressor(Regressor):
 class Truth(pl.Callback):
     """After each step's EMA update: the gathered live weights and average (every rank gathers, rank 0 keeps)."""
 
-    def __init__(self, ema: EMACallback) -> None:
+    def __init__(self, ema: EMAWeights) -> None:
         self.ema, self.at = ema, {}
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -65,7 +65,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor().cpu() if is_sharded(t) else t.detach().cpu().clone()
 
 
-def fit(directory: Path, distributed: bool, epochs: int, ckpt_path: Path | None = None, callback: type = EMACallback):
+def fit(directory: Path, distributed: bool, epochs: int, ckpt_path: Path | None = None, callback: type = EMAWeights):
     pl.seed_everything(0)
     ema = callback(decay=0.9, warmup=True, evaluate="ema")
     truth = Truth(ema)
@@ -99,10 +99,8 @@ def main(rank: int, out: Path) -> None:
         results[f"straight-{kind}"], truths[kind] = fit(out / f"straight-{kind}", distributed, 4)
         second = out / f"straight-{kind}" / "epoch=1.ckpt"
         results[f"resumed-{kind}"], _ = fit(out / f"resumed-{kind}", distributed, 4, ckpt_path=second)
-    results["control"], _ = fit(
-        out / "control", True, 4, out / "straight-dcp" / "epoch=1.ckpt", EMACallbackWithoutState
-    )
-    with mock.patch.object(EMACallback, "_save_outside_the_pass", lambda self, save: save):
+    results["control"], _ = fit(out / "control", True, 4, out / "straight-dcp" / "epoch=1.ckpt", EMAWeightsWithoutState)
+    with mock.patch.object(EMAWeights, "_save_outside_the_pass", lambda self, save: save):
         _, truths["unfixed"] = fit(out / "unfixed", True, 2)
     torch.save(results, out / f"rank{rank}.pt")
     if rank == 0:

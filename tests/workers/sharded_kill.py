@@ -31,7 +31,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from copy_correct.lightning import AtomicModelParallelStrategy
-from tests.lightning.test_ema_callback import loader
+from tests.lightning.test_ema_weights import loader
 from tests.workers import join_as_lightning_rank
 from tests.workers.sharded_callback import ShardedRegressor
 

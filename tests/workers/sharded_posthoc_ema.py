@@ -1,5 +1,5 @@
 """Run by tests/distributed/test_sharded_posthoc_callback.py: 2 gloo processes train an FSDP2-sharded Regressor with
-``PostHocEMACallback(module="net")`` under Lightning's ``ModelParallelStrategy`` (as ``AtomicModelParallelStrategy``,
+``PostHocEMASnapshots(module="net")`` under Lightning's ``ModelParallelStrategy`` (as ``AtomicModelParallelStrategy``,
 whose checkpoint directories carry the ``digests.json`` that ``copy-correct posthoc`` checks), several times in the
 same processes, and save what the tests compare.
 
@@ -34,28 +34,28 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from copy_correct._sharding import local
-from copy_correct.lightning import AtomicModelParallelStrategy, PostHocEMACallback
+from copy_correct.lightning import AtomicModelParallelStrategy, PostHocEMASnapshots
 from copy_correct.posthoc_ema import load_snapshot
-from tests.lightning.test_ema_callback import loader
+from tests.lightning.test_ema_weights import loader
 from tests.workers import end_rank, join_as_lightning_rank
 from tests.workers.sharded_callback import ShardedRegressor, full
 
 KWARGS: dict[str, Any] = {"snapshot_every": 2, "module": "net"}
 
 
-class WithoutState(PostHocEMACallback):
-    """Resumes with fresh profiles: finds its state under ``PostHocEMACallback``'s key, and ignores it."""
+class WithoutState(PostHocEMASnapshots):
+    """Resumes with fresh profiles: finds its state under ``PostHocEMASnapshots``'s key, and ignores it."""
 
     @property
     def state_key(self) -> str:
-        return super().state_key.replace(type(self).__qualname__, "PostHocEMACallback")
+        return super().state_key.replace(type(self).__qualname__, "PostHocEMASnapshots")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         pass
 
 
 class OwnStatistics(pl.Callback):
-    """This rank's own BatchNorm statistics after its last step, before ``PostHocEMACallback`` (after it in the
+    """This rank's own BatchNorm statistics after its last step, before ``PostHocEMASnapshots`` (after it in the
     callbacks) copies rank 0's in: what each rank would average without that copy."""
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -76,7 +76,7 @@ def fit(
     directory: Path,
     distributed: bool,
     ckpt_path: Path | None = None,
-    callback: type = PostHocEMACallback,
+    callback: type = PostHocEMASnapshots,
     *,
     epochs: int = 4,
     snapshot_every: int = KWARGS["snapshot_every"],

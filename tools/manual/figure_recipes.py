@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from copy_correct import synthesize
-from copy_correct.lightning import PostHocEMACallback
+from copy_correct.lightning import PostHocEMASnapshots
 from copy_correct.posthoc_ema import load_snapshot, snapshot_paths
 from copy_correct.probes import MemoryProbe
 from recipes.gan import GAN
@@ -264,7 +264,7 @@ def posthoc_frechet_distances(run: Run, sigma_rels: Sequence[float]) -> dict[str
     Changes nothing of the run's module: the live generator's weights are put back bit for bit."""
     gan = run.model
     assert isinstance(gan, GAN) and gan.g_ema is not None and gan._real is not None
-    (callback,) = (c for c in run.trainer.callbacks if isinstance(c, PostHocEMACallback))
+    (callback,) = (c for c in run.trainer.callbacks if isinstance(c, PostHocEMASnapshots))
     assert callback.power_ema is not None
     directory = Path(run.trainer.checkpoint_callback.dirpath) / "power_ema"
     paths = snapshot_paths(directory)
@@ -272,7 +272,7 @@ def posthoc_frechet_distances(run: Run, sigma_rels: Sequence[float]) -> dict[str
     if last["step"] != callback.power_ema.step:  # the generator's optimizer steps (global_step counts D's too)
         raise ValueError(
             f"the last snapshot in {directory} is of step {last['step']}, the run ended at step "
-            f"{callback.power_ema.step}: PostHocEMACallback's final snapshot is missing"
+            f"{callback.power_ema.step}: PostHocEMASnapshots's final snapshot is missing"
         )
     generator, prefix = gan.generator, "generator."  # the snapshots name tensors as the GAN's state_dict does
     z = torch.randn(

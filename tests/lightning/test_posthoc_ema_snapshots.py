@@ -1,4 +1,4 @@
-"""PostHocEMACallback in real Trainers: one update per optimizer step with gradient accumulation (the profiles equal a
+"""PostHocEMASnapshots in real Trainers: one update per optimizer step with gradient accumulation (the profiles equal a
 PowerEMA fed the weights after each optimizer step), snapshots in the checkpoint directory and a final one when fit
 ends off the schedule (which changes nothing in training), exact resume; and ``copy-correct posthoc`` (here as
 ``python -m copy_correct posthoc``) writing checkpoints that ``load_from_checkpoint`` reads as the synthesized EMA.
@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from copy_correct import PowerEMA, synthesize
-from copy_correct.lightning import PostHocEMACallback
+from copy_correct.lightning import PostHocEMASnapshots
 from copy_correct.posthoc_ema import load_snapshot, snapshot_paths
 from copy_correct.snapshot_history import check_snapshot_history, snapshot_gaps
 from tests.conftest import ROOT, child_env
@@ -73,7 +73,7 @@ def fit(directory: Path, callbacks: list[pl.Callback], epochs: int, ckpt_path: P
 
 
 def test_updates_once_per_optimizer_step_and_snapshots_into_the_checkpoint_directory(tmp_path: Path) -> None:
-    callback, recorder = PostHocEMACallback(snapshot_every=4), Recorder()
+    callback, recorder = PostHocEMASnapshots(snapshot_every=4), Recorder()
     trainer = fit(tmp_path, [callback, recorder], epochs=2)
     assert trainer.global_step == 12 and callback.power_ema is not None
     assert callback.power_ema.step == 12  # 24 batches, one optimizer step per 2
@@ -99,18 +99,18 @@ def test_updates_once_per_optimizer_step_and_snapshots_into_the_checkpoint_direc
 
 
 def test_resume_continues_the_profiles_and_snapshots_bit_for_bit(tmp_path: Path) -> None:
-    straight = PostHocEMACallback(snapshot_every=4)
+    straight = PostHocEMASnapshots(snapshot_every=4)
     fit(tmp_path / "straight", [straight], epochs=2)
-    fit(tmp_path / "resumed", [PostHocEMACallback(snapshot_every=4)], epochs=1)  # step 6: between two snapshots
+    fit(tmp_path / "resumed", [PostHocEMASnapshots(snapshot_every=4)], epochs=1)  # step 6: between two snapshots
     last = tmp_path / "resumed" / "checkpoints" / "last.ckpt"
     stopped = snapshot_paths(tmp_path / "resumed" / "checkpoints" / "power_ema")
     assert [p.name for p in stopped] == ["power-ema-000000004.pt", "power-ema-000000006.pt"]  # 6: the final one
     assert load_snapshot(stopped[1])["final"]
     checkpoint = torch.load(last, weights_only=True)
-    assert any("PostHocEMACallback" in key for key in checkpoint["callbacks"])
-    checkpoint["callbacks"] = {k: v for k, v in checkpoint["callbacks"].items() if "PostHocEMACallback" not in k}
+    assert any("PostHocEMASnapshots" in key for key in checkpoint["callbacks"])
+    checkpoint["callbacks"] = {k: v for k, v in checkpoint["callbacks"].items() if "PostHocEMASnapshots" not in k}
     torch.save(checkpoint, tmp_path / "without.ckpt")  # for the control below
-    resumed = PostHocEMACallback(snapshot_every=4)
+    resumed = PostHocEMASnapshots(snapshot_every=4)
     fit(tmp_path / "resumed", [resumed], epochs=2, ckpt_path=last)
     assert resumed.power_ema is not None and straight.power_ema is not None
     for ours, expected in zip(resumed.power_ema.profiles, straight.power_ema.profiles, strict=True):
@@ -122,7 +122,7 @@ def test_resume_continues_the_profiles_and_snapshots_bit_for_bit(tmp_path: Path)
         assert sa["step"] == sb["step"]
         assert all(torch.equal(sb["profiles"][i][k], v) for i, p in enumerate(sa["profiles"]) for k, v in p.items())
 
-    fresh = PostHocEMACallback(snapshot_every=4)  # the control: the same resume without the callback's state
+    fresh = PostHocEMASnapshots(snapshot_every=4)  # the control: the same resume without the callback's state
     fit(tmp_path / "fresh", [fresh], epochs=2, ckpt_path=tmp_path / "without.ckpt")
     assert fresh.power_ema is not None and fresh.power_ema.step == 6  # counted from the resume: not the run's 12
     assert not torch.equal(fresh.power_ema.profiles[0]["net.0.weight"], straight.power_ema.profiles[0]["net.0.weight"])
@@ -135,10 +135,10 @@ def test_a_run_resumed_into_another_directory_carries_the_earlier_snapshots_over
     (step 4 linked from the crashed run, 6's final one carried and removed at 8), the same average, a whole history.
     The control, the resume without the carrying over, holds only its own snapshots: another average, and the gap,
     named."""
-    fit(tmp_path / "straight", [PostHocEMACallback(snapshot_every=4)], epochs=2)
-    fit(tmp_path / "crashed", [PostHocEMACallback(snapshot_every=4)], epochs=1)  # step 6: snapshots 4 and 6 (final)
+    fit(tmp_path / "straight", [PostHocEMASnapshots(snapshot_every=4)], epochs=2)
+    fit(tmp_path / "crashed", [PostHocEMASnapshots(snapshot_every=4)], epochs=1)  # step 6: snapshots 4 and 6 (final)
     last = tmp_path / "crashed" / "checkpoints" / "last.ckpt"
-    resumed = PostHocEMACallback(snapshot_every=4)
+    resumed = PostHocEMASnapshots(snapshot_every=4)
     fit(tmp_path / "resumed", [resumed], epochs=2, ckpt_path=last)
     folders = {run: tmp_path / run / "checkpoints" / "power_ema" for run in ("straight", "crashed", "resumed")}
     assert [(p.name, how) for p, how in resumed.carried] == [
@@ -154,8 +154,8 @@ def test_a_run_resumed_into_another_directory_carries_the_earlier_snapshots_over
     assert all(torch.equal(ours[k], v) for k, v in expected.items())
     assert snapshot_gaps(folders["resumed"]) == []
 
-    monkeypatch.setattr(PostHocEMACallback, "_carry", lambda *args: [])  # the control: the callback as it was
-    fit(tmp_path / "control", [PostHocEMACallback(snapshot_every=4)], epochs=2, ckpt_path=last)
+    monkeypatch.setattr(PostHocEMASnapshots, "_carry", lambda *args: [])  # the control: the callback as it was
+    fit(tmp_path / "control", [PostHocEMASnapshots(snapshot_every=4)], epochs=2, ckpt_path=last)
     control = tmp_path / "control" / "checkpoints" / "power_ema"
     assert [p.name for p in snapshot_paths(control)] == ["power-ema-000000008.pt", "power-ema-000000012.pt"]
     assert not torch.equal(synthesize(control, 0.08)["net.0.weight"], expected["net.0.weight"])
@@ -166,7 +166,7 @@ def test_a_run_resumed_into_another_directory_carries_the_earlier_snapshots_over
         check_snapshot_history(control)
 
 
-class WithoutFinalSnapshot(PostHocEMACallback):
+class WithoutFinalSnapshot(PostHocEMASnapshots):
     """The control: the callback as it was before it took a final snapshot."""
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -177,7 +177,7 @@ def test_a_fit_shorter_than_snapshot_every_ends_with_a_final_snapshot_that_chang
     """The default ``snapshot_every=1000`` and a 12-step fit: one snapshot, of step 12, taken when fit ends, holding
     the profiles as they ended; the run's weights, checkpoint and random generator are those of the run without it,
     which leaves nothing to synthesize from."""
-    ended, callbacks = {}, {"final": PostHocEMACallback(), "control": WithoutFinalSnapshot()}
+    ended, callbacks = {}, {"final": PostHocEMASnapshots(), "control": WithoutFinalSnapshot()}
     for name, callback in callbacks.items():
         trainer = fit(tmp_path / name, [callback], epochs=2)
         checkpoint = torch.load(tmp_path / name / "checkpoints" / "last.ckpt", weights_only=True)
@@ -199,7 +199,7 @@ def test_a_fit_shorter_than_snapshot_every_ends_with_a_final_snapshot_that_chang
 
 
 def test_the_command_writes_checkpoints_load_from_checkpoint_reads_as_the_synthesized_ema(tmp_path: Path) -> None:
-    fit(tmp_path, [PostHocEMACallback(snapshot_every=2)], epochs=2)
+    fit(tmp_path, [PostHocEMASnapshots(snapshot_every=2)], epochs=2)
     result = subprocess.run(
         [*COMMAND, str(tmp_path), "--sigma-rel", "0.08", "0.15", "--step", "10"],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env(),
@@ -228,7 +228,7 @@ def test_the_command_writes_checkpoints_load_from_checkpoint_reads_as_the_synthe
 def test_a_submodule_alone_is_averaged_and_the_command_takes_the_rest_from_the_checkpoint(tmp_path: Path) -> None:
     """``module=`` (a GAN's generator): profiles of that submodule only, named as the LightningModule's state_dict;
     the command's checkpoint holds their synthesis and the run's own weights for everything else."""
-    callback = PostHocEMACallback(snapshot_every=2, module="net.0")
+    callback = PostHocEMASnapshots(snapshot_every=2, module="net.0")
     fit(tmp_path, [callback], epochs=2)
     assert callback.power_ema is not None and list(callback.power_ema.profiles[0]) == ["weight", "bias"]
     snapshots = snapshot_paths(tmp_path / "checkpoints" / "power_ema")
@@ -253,19 +253,19 @@ def test_a_submodule_alone_is_averaged_and_the_command_takes_the_rest_from_the_c
     assert all(torch.equal(value, by_hand.state_dict()[name]) for name, value in model.state_dict().items())
 
     with pytest.raises(ValueError, match=r"module='head': Regressor has no such submodule \(its children: net\)"):
-        fit(tmp_path / "bad", [PostHocEMACallback(module="head")], epochs=1)
+        fit(tmp_path / "bad", [PostHocEMASnapshots(module="head")], epochs=1)
 
 
 def test_bad_arguments_fail_at_construction_which_draws_nothing_from_the_generator() -> None:
     state = torch.get_rng_state()
-    PostHocEMACallback()
+    PostHocEMASnapshots()
     assert torch.equal(torch.get_rng_state(), state)
     PowerEMA(nn.Linear(1, 1))  # the control: a check on a Linear would have drawn its initial weights
     assert not torch.equal(torch.get_rng_state(), state)
     with pytest.raises(ValueError, match="snapshot_every must be a positive multiple of update_every=3"):
-        PostHocEMACallback(update_every=3, snapshot_every=10)
+        PostHocEMASnapshots(update_every=3, snapshot_every=10)
     with pytest.raises(ValueError, match="sigma_rel must be a number in"):
-        PostHocEMACallback(sigma_rels=(0.05, 0.5))
+        PostHocEMASnapshots(sigma_rels=(0.05, 0.5))
 
 
 def test_under_ddp_rank_zero_alone_writes_the_snapshots(tmp_path: Path) -> None:
@@ -292,7 +292,7 @@ def test_a_state_spread_otherwise_than_the_model_is_refused_naming_both() -> Non
     control: the same state with the model's own layout loads."""
     from copy_correct.errors import CheckpointMismatch
 
-    callback = PostHocEMACallback()
+    callback = PostHocEMASnapshots()
     callback.power_ema = PowerEMA(Regressor().net)
     state = callback.power_ema.state_dict()
     names = list(state["profiles"][0])

@@ -1,4 +1,4 @@
-"""EMACallback in real Trainers: per-optimizer-step updates, EMA evaluation beside live (in what ``validate`` and
+"""EMAWeights in real Trainers: per-optimizer-step updates, EMA evaluation beside live (in what ``validate`` and
 ``test`` return and in one row of ``metrics.csv``), checkpoints (after ``fit`` too), copies, DDP."""
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from copy_correct import EMA
-from copy_correct.lightning import EMACallback, IsolatedEvaluation
-from copy_correct.lightning.ema_callback import _EMAPass
+from copy_correct.lightning import EMAWeights, IsolatedEvaluation
+from copy_correct.lightning.ema_weights import _EMAPass
 from copy_correct.probes import shares_storage
 from tests.conftest import DEVICES
 from tests.lightning import test_isolated_evaluation as isolation
@@ -70,7 +70,7 @@ def trainer(tmp_path: Path, callbacks: list[pl.Callback], **kwargs: Any) -> pl.T
 
 
 def test_updates_once_per_optimizer_step_with_accumulation(tmp_path: Path) -> None:
-    ema = EMACallback(decay=0.9)
+    ema = EMAWeights(decay=0.9)
     t = trainer(tmp_path, [ema], accumulate_grad_batches=2, limit_val_batches=0)
     t.fit(Regressor(), loader())
     assert t.global_step == 8  # 16 batches, one optimizer step per 2
@@ -78,7 +78,7 @@ def test_updates_once_per_optimizer_step_with_accumulation(tmp_path: Path) -> No
 
 
 def test_delayed_start_copies_until_start_step(tmp_path: Path) -> None:
-    ema = EMACallback(decay=0.9, start_step=10)
+    ema = EMAWeights(decay=0.9, start_step=10)
     module = Regressor()
     trainer(tmp_path, [ema], max_epochs=1, limit_val_batches=0).fit(module, loader())  # 8 steps
     assert ema.ema is not None and ema.ema.num_updates == 0
@@ -87,7 +87,7 @@ def test_delayed_start_copies_until_start_step(tmp_path: Path) -> None:
 
 
 def test_validation_and_test_log_ema_metrics_beside_live_ones(tmp_path: Path) -> None:
-    ema = EMACallback(decay=0.9)
+    ema = EMAWeights(decay=0.9)
     module = Regressor()
     checkpoint = ModelCheckpoint(dirpath=tmp_path, monitor="val/loss_ema", save_top_k=1)
     t = trainer(tmp_path, [ema, checkpoint])
@@ -108,7 +108,7 @@ def test_validation_and_test_log_ema_metrics_beside_live_ones(tmp_path: Path) ->
 
 @pytest.mark.parametrize(("evaluate", "expected"), [("ema", "shadow"), ("live", "live")])
 def test_evaluate_modes(evaluate: str, expected: str, tmp_path: Path) -> None:
-    ema = EMACallback(decay=0.9, evaluate=evaluate)
+    ema = EMAWeights(decay=0.9, evaluate=evaluate)
     module = Regressor()
     t = trainer(tmp_path, [ema])
     t.fit(module, loader(), loader(64))
@@ -122,7 +122,7 @@ def test_evaluate_modes(evaluate: str, expected: str, tmp_path: Path) -> None:
 
 
 def test_ema_weights_at_end(tmp_path: Path) -> None:
-    ema = EMACallback(decay=0.9, ema_weights_at_end=True)
+    ema = EMAWeights(decay=0.9, ema_weights_at_end=True)
     module = Regressor()
     trainer(tmp_path, [ema], limit_val_batches=0).fit(module, loader())
     assert ema.ema is not None
@@ -131,17 +131,17 @@ def test_ema_weights_at_end(tmp_path: Path) -> None:
 
 def test_resume_reproduces_the_uninterrupted_shadow_exactly(tmp_path: Path) -> None:
     pl.seed_everything(0)
-    straight = EMACallback(decay=0.9, warmup=True)
+    straight = EMAWeights(decay=0.9, warmup=True)
     trainer(tmp_path / "a", [straight], max_epochs=4, limit_val_batches=0).fit(Regressor(), loader())
 
     pl.seed_everything(0)
-    first = EMACallback(decay=0.9, warmup=True)
+    first = EMAWeights(decay=0.9, warmup=True)
     save = ModelCheckpoint(dirpath=tmp_path / "b", save_last=True)
     trainer(tmp_path / "b", [first, save], max_epochs=2, limit_val_batches=0).fit(Regressor(), loader())
     checkpoint = torch.load(tmp_path / "b" / "last.ckpt", weights_only=True)  # plain tensors and numbers
-    assert any("EMACallback" in key for key in checkpoint["callbacks"])
+    assert any("EMAWeights" in key for key in checkpoint["callbacks"])
 
-    resumed = EMACallback(decay=0.9, warmup=True)
+    resumed = EMAWeights(decay=0.9, warmup=True)
     trainer(tmp_path / "c", [resumed], max_epochs=4, limit_val_batches=0).fit(
         Regressor(), loader(), ckpt_path=tmp_path / "b" / "last.ckpt"
     )
@@ -150,7 +150,7 @@ def test_resume_reproduces_the_uninterrupted_shadow_exactly(tmp_path: Path) -> N
     for name, value in straight.ema.shadow.items():
         assert torch.equal(resumed.ema.shadow[name], value), name
 
-    class ForgetsItsState(EMACallback):  # the control: a resume that starts a fresh average
+    class ForgetsItsState(EMAWeights):  # the control: a resume that starts a fresh average
         def load_state_dict(self, state_dict: dict[str, Any]) -> None:
             pass
 
@@ -166,11 +166,11 @@ State = dict[str, torch.Tensor]
 
 
 class Truth(pl.Callback):
-    """After each optimizer step's EMA update (so placed after EMACallback): copies of the live weights and the
+    """After each optimizer step's EMA update (so placed after EMAWeights): copies of the live weights and the
     average, by global step. Neither changes while validation runs, so these are what a checkpoint saved then
     must hold."""
 
-    def __init__(self, ema: EMACallback) -> None:
+    def __init__(self, ema: EMAWeights) -> None:
         self.ema = ema
         self.at: dict[int, tuple[State, State]] = {}
 
@@ -235,12 +235,12 @@ def verdict(path: Path, truth: Truth, state_key: str) -> str:
 
 def run_scenario(
     name: str, directory: Path, accelerator: str, checkpoint_weights: str = "ema"
-) -> tuple[list[str], Regressor, Truth, EMACallback]:
+) -> tuple[list[str], Regressor, Truth, EMAWeights]:
     """Trains (and evaluates) a Regressor in one configuration that saves during an EMA pass; what each save holds."""
     both = name == "module hook, evaluate=both"
     shadow_dtype = torch.float64 if name == "staged shadow (float64)" else None
     evaluate = "both" if both else "ema"
-    ema = EMACallback(decay=0.9, evaluate=evaluate, shadow_dtype=shadow_dtype, checkpoint_weights=checkpoint_weights)
+    ema = EMAWeights(decay=0.9, evaluate=evaluate, shadow_dtype=shadow_dtype, checkpoint_weights=checkpoint_weights)
     truth = Truth(ema)
     callbacks: list[pl.Callback] = [ema, truth]
     kwargs: dict[str, Any] = {"accelerator": accelerator, "devices": 1}
@@ -254,9 +254,9 @@ def run_scenario(
     elif name == "mid-epoch validation":  # ModelCheckpoint then saves after each validation, by default
         callbacks.append(ModelCheckpoint(directory, monitor="val/loss", save_top_k=-1))
         kwargs["val_check_interval"] = 0.5
-    elif name == "user callback before EMACallback":
+    elif name == "user callback before EMAWeights":
         callbacks.insert(0, SavesOnEvaluationEnd(directory))
-    elif name in ("user callback after EMACallback", "validate() and test()"):
+    elif name in ("user callback after EMAWeights", "validate() and test()"):
         callbacks.append(SavesOnEvaluationEnd(directory))
     module = SavesInItsOwnHook(directory) if both else Regressor()
     t = trainer(directory, callbacks, **kwargs)
@@ -274,8 +274,8 @@ SCENARIOS = [
     "staged shadow (float64)",
     "weights-only ModelCheckpoint",
     "mid-epoch validation",
-    "user callback before EMACallback",
-    "user callback after EMACallback",
+    "user callback before EMAWeights",
+    "user callback after EMAWeights",
     "validate() and test()",
     "module hook, evaluate=both",
 ]
@@ -301,7 +301,7 @@ def test_checkpoints_saved_during_the_ema_evaluation_hold_the_live_weights_and_t
     assert same(module.state_dict(), truth.at[max(truth.at)][0])  # the live weights, back after every pass
 
     # The control: trainer.save_checkpoint left as it was before the fix.
-    monkeypatch.setattr(EMACallback, "_save_outside_the_pass", lambda self, save: save)
+    monkeypatch.setattr(EMAWeights, "_save_outside_the_pass", lambda self, save: save)
     verdicts, *_ = run_scenario(name, tmp_path / "control", device.type, checkpoint_weights)
     if "weights-only" in name and checkpoint_weights == "ema":
         assert verdicts == ["right (weights only)"] * 2  # saved inside the pass, the average: right by chance
@@ -318,7 +318,7 @@ def test_resume_from_a_checkpoint_saved_during_the_ema_evaluation_ends_bit_for_b
 ) -> None:
     def run(directory: Path, max_epochs: int, save: bool = False, ckpt_path: Path | None = None) -> tuple[State, State]:
         pl.seed_everything(0)
-        ema = EMACallback(decay=0.9, warmup=True, evaluate="ema")
+        ema = EMAWeights(decay=0.9, warmup=True, evaluate="ema")
         callbacks: list[pl.Callback] = [ema]
         if save:  # last.ckpt on validation end: inside the EMA pass
             callbacks.append(ModelCheckpoint(directory, save_last=True, save_on_train_epoch_end=False))
@@ -335,7 +335,7 @@ def test_resume_from_a_checkpoint_saved_during_the_ema_evaluation_ends_bit_for_b
     assert same(resumed[0], straight[0]) and same(resumed[1], straight[1])
 
     # The control: the first run saves as before the fix, with the average in state_dict (the live weights lost).
-    monkeypatch.setattr(EMACallback, "_save_outside_the_pass", lambda self, save: save)
+    monkeypatch.setattr(EMAWeights, "_save_outside_the_pass", lambda self, save: save)
     run(tmp_path / "first_unfixed", 2, save=True)
     monkeypatch.undo()
     control = run(tmp_path / "control", 4, ckpt_path=tmp_path / "first_unfixed" / "last.ckpt")
@@ -370,7 +370,7 @@ def test_an_exception_in_the_ema_evaluation_restores_the_live_weights_before_lig
     """``OnExceptionCheckpoint`` saves in ``on_exception``, which Lightning calls once ``fit``'s loops unwound."""
 
     def fail(directory: Path) -> tuple[str, Regressor, Truth]:
-        ema = EMACallback(decay=0.9, evaluate="ema")
+        ema = EMAWeights(decay=0.9, evaluate="ema")
         truth = Truth(ema)
         module = FailsInTheSecondValidation(error)
         t = trainer(directory, [ema, truth, OnExceptionCheckpoint(directory)], enable_checkpointing=True)
@@ -417,15 +417,15 @@ def test_ddp_two_cpu_processes_keep_identical_shadows(tmp_path: Path) -> None:
 
 def test_bad_arguments_fail_at_construction() -> None:
     with pytest.raises(ValueError, match="evaluate must be one of"):
-        EMACallback(evaluate="sometimes")
+        EMAWeights(evaluate="sometimes")
     with pytest.raises(ValueError, match="decay must be in"):
-        EMACallback(decay=1.5)
+        EMAWeights(decay=1.5)
 
 
 def test_constructing_the_callback_draws_nothing_from_the_global_random_generator() -> None:
     """So a module built after it, after seeding, starts from the weights it would have without the callback."""
     state = torch.get_rng_state()
-    EMACallback(decay=0.9)
+    EMAWeights(decay=0.9)
     assert torch.equal(torch.get_rng_state(), state)
     nn.Linear(1, 1)  # the control: the module the callback built to check its arguments draws its weights
     assert not torch.equal(torch.get_rng_state(), state)
@@ -447,9 +447,9 @@ def clock(batches: int = 6) -> DataLoader:
 
 def fit_clocked(
     directory: Path, accumulate: int, update_every: int, ckpt_path: Path | None = None, save: bool = False
-) -> tuple[State, EMACallback]:
+) -> tuple[State, EMAWeights]:
     pl.seed_everything(0)
-    ema = EMACallback(decay=0.9, update_every=update_every, evaluate="live")
+    ema = EMAWeights(decay=0.9, update_every=update_every, evaluate="live")
     callbacks: list[pl.Callback] = [ema]
     if save:  # a checkpoint after every optimizer step: what a run killed right after it would have left
         callbacks.append(ModelCheckpoint(directory, filename="{step}", every_n_train_steps=1, save_top_k=-1))
@@ -487,12 +487,12 @@ def test_a_run_killed_at_any_step_and_resumed_ends_bit_for_bit_as_the_uninterrup
 def test_the_control_reading_the_step_before_lightning_restores_it_updates_once_too_often(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def on_fit_start(self: EMACallback, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def on_fit_start(self: EMAWeights, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._ensure_ema(pl_module)
         self._last_step = trainer.global_step  # before the fix: 0 here, also in a resumed run
 
-    monkeypatch.setattr(EMACallback, "on_fit_start", on_fit_start)
-    monkeypatch.setattr(EMACallback, "on_train_start", lambda *args: None)
+    monkeypatch.setattr(EMAWeights, "on_fit_start", on_fit_start)
+    monkeypatch.setattr(EMAWeights, "on_train_start", lambda *args: None)
     assert resumes_as_the_uninterrupted_run(tmp_path, 2, 1) == [1, 2, 3, 4, 5]  # every mid-run kill
 
 
@@ -507,9 +507,9 @@ class Wide(Regressor):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def train_wide(directory: Path, checkpoint_weights: str) -> tuple[Wide, EMACallback, Path]:
+def train_wide(directory: Path, checkpoint_weights: str) -> tuple[Wide, EMAWeights, Path]:
     pl.seed_everything(0)
-    ema = EMACallback(decay=0.9, evaluate="live", checkpoint_weights=checkpoint_weights)
+    ema = EMAWeights(decay=0.9, evaluate="live", checkpoint_weights=checkpoint_weights)
     module = Wide()
     save = ModelCheckpoint(directory, filename="last")
     trainer(directory, [ema, save], max_epochs=1, limit_val_batches=0).fit(module, loader())
@@ -536,11 +536,11 @@ def test_a_checkpoint_holding_the_average_as_weights_stores_it_once(
     assert abs(ema_path.stat().st_size - live_path.stat().st_size) < 0.02 * weights  # both: the weights twice
 
     # the control: the average put in as a copy of the shadow
-    import copy_correct.lightning.ema_callback as ema_callback
+    import copy_correct.lightning.ema_weights as ema_weights
 
-    copy_in = ema_callback._average_into_weights
+    copy_in = ema_weights._average_into_weights
     monkeypatch.setattr(
-        ema_callback,
+        ema_weights,
         "_average_into_weights",
         lambda weights, average: copy_in(weights, {k: v.clone() for k, v in average.items()}),
     )
@@ -557,7 +557,7 @@ def test_a_checkpoint_of_the_average_resumed_without_the_callback_trains_on_from
     average = {k: v.clone() for k, v in ema.ema.shadow.items()}
     resumed = Wide()
     t = trainer(tmp_path / "resumed", [], max_epochs=1, limit_val_batches=0, limit_train_batches=0)
-    with pytest.warns(UserWarning, match=r"Please add the following callbacks: \[.*\"EMACallback\{"):
+    with pytest.warns(UserWarning, match=r"Please add the following callbacks: \[.*\"EMAWeights\{"):
         t.fit(resumed, loader(), ckpt_path=path)
     assert same(resumed.state_dict(), average) and not same(resumed.state_dict(), module.state_dict())
 
@@ -597,7 +597,7 @@ def labelled(n: int = 96) -> DataLoader:
 
 
 def before_the_fix(
-    self: EMACallback, trainer: pl.Trainer, pl_module: pl.LightningModule, loop: Any, run: Callable[[], Any]
+    self: EMAWeights, trainer: pl.Trainer, pl_module: pl.LightningModule, loop: Any, run: Callable[[], Any]
 ) -> Callable[[], Any]:
     """The control: evaluation as it was before the fix, returning the live pass's results, each pass logging its
     own row."""
@@ -612,7 +612,7 @@ def before_the_fix(
 
 
 Evaluated = tuple[
-    list[dict[str, float]], list[dict[str, float]], list[dict[str, str]], Classifier, EMACallback, set[str]
+    list[dict[str, float]], list[dict[str, float]], list[dict[str, str]], Classifier, EMAWeights, set[str]
 ]
 
 
@@ -620,7 +620,7 @@ def evaluate_with_a_csv_logger(directory: Path) -> Evaluated:
     """A user's classifier fitted for 2 epochs with validation, then validated and tested: what ``validate`` and
     ``test`` return, the rows of ``metrics.csv`` and the names in ``trainer.callback_metrics`` after ``validate``."""
     pl.seed_everything(0)
-    ema = EMACallback(decay=0.9)
+    ema = EMAWeights(decay=0.9)
     module = Classifier()
     t = trainer(directory, [ema], logger=CSVLogger(directory))
     t.fit(module, labelled(), labelled(48))
@@ -635,7 +635,7 @@ def evaluate_with_a_csv_logger(directory: Path) -> Evaluated:
 def evaluated(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Evaluated]:
     runs = {"fixed": evaluate_with_a_csv_logger(tmp_path_factory.mktemp("fixed"))}
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(EMACallback, "_evaluate_with_ema", before_the_fix)
+        patch.setattr(EMAWeights, "_evaluate_with_ema", before_the_fix)
         runs["before the fix"] = evaluate_with_a_csv_logger(tmp_path_factory.mktemp("before"))
     return runs
 
@@ -683,7 +683,7 @@ def saves_after_fit(directory: Path, checkpoint_weights: str) -> dict[str, str]:
     """A user's classifier fitted, then saved with ``trainer.save_checkpoint`` (weights-only and full) after the fit,
     after a ``validate`` and after a second ``fit`` of the same trainer: what each save holds (``verdict``)."""
     pl.seed_everything(0)
-    ema = EMACallback(decay=0.9, checkpoint_weights=checkpoint_weights)
+    ema = EMAWeights(decay=0.9, checkpoint_weights=checkpoint_weights)
     truth = Truth(ema)
     module = Classifier()
     t = trainer(directory, [ema, truth], max_epochs=1)
@@ -718,15 +718,15 @@ def test_every_save_after_fit_holds_what_a_save_during_it_holds(
     if checkpoint_weights == "live":
         return  # a weights-only save of the live weights needs no wrapper: the control would not differ
 
-    teardown = EMACallback.teardown
+    teardown = EMAWeights.teardown
 
     def teardown_before_the_fix(
-        self: EMACallback, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str
+        self: EMAWeights, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str
     ) -> None:
         teardown(self, trainer, pl_module, stage)
         del trainer.save_checkpoint  # the save wrapper went with the evaluation wrappers
 
-    monkeypatch.setattr(EMACallback, "teardown", teardown_before_the_fix)
+    monkeypatch.setattr(EMAWeights, "teardown", teardown_before_the_fix)
     verdicts = saves_after_fit(tmp_path / "control", checkpoint_weights)
     assert {when for when, held in verdicts.items() if held != "right"} == {
         f"after {when}, weights only" for when in ("fit", "validate", "a second fit")
@@ -742,7 +742,7 @@ def test_after_fit_with_ema_weights_at_end_every_save_holds_the_average_also_as_
     """The module holds the average once ``fit`` ends, so a full save then holds it as the live weights too: a run
     resumed from it trains on from the average (the live weights it replaced are gone)."""
     pl.seed_everything(0)
-    ema = EMACallback(decay=0.9, ema_weights_at_end=True)
+    ema = EMAWeights(decay=0.9, ema_weights_at_end=True)
     truth = Truth(ema)
     t = trainer(tmp_path, [ema, truth], max_epochs=1)
     t.fit(Classifier(), labelled())
@@ -760,7 +760,7 @@ def test_after_fit_with_ema_weights_at_end_every_save_holds_the_average_also_as_
 
 def fit_and_save_after(directory: Path, max_epochs: int, ckpt_path: Path | None = None) -> tuple[State, State]:
     pl.seed_everything(0)
-    ema = EMACallback(decay=0.9, evaluate="ema")
+    ema = EMAWeights(decay=0.9, evaluate="ema")
     module = Regressor()
     t = trainer(directory, [ema], max_epochs=max_epochs)
     t.fit(module, loader(), loader(64), ckpt_path=ckpt_path)
@@ -778,16 +778,16 @@ def test_a_run_resumed_from_a_save_after_fit_ends_as_the_uninterrupted_run(
     assert same(resumed[0], straight[0]) and same(resumed[1], straight[1])
 
     # The control: a resume that leaves the checkpoint's weights (the average) in the module trains on from them.
-    monkeypatch.setattr(EMACallback, "on_load_checkpoint", lambda *args: None)
+    monkeypatch.setattr(EMAWeights, "on_load_checkpoint", lambda *args: None)
     control = fit_and_save_after(tmp_path / "control", 4, ckpt_path=tmp_path / "first" / "after-fit.ckpt")
     assert not same(control[0], straight[0]) and not same(control[1], straight[1])
 
 
 class CopiesDuringFit(pl.Callback):
-    """Copies the EMACallback at the end of the first training epoch: after setup, with the trainer's wrappers in
+    """Copies the EMAWeights at the end of the first training epoch: after setup, with the trainer's wrappers in
     place and the EMA tracking the module."""
 
-    def __init__(self, ema: EMACallback, copy_of: Callable[[Any], Any]) -> None:
+    def __init__(self, ema: EMAWeights, copy_of: Callable[[Any], Any]) -> None:
         self.ema, self.copy_of, self.copied = ema, copy_of, None
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -798,7 +798,7 @@ class CopiesDuringFit(pl.Callback):
 COPIES = {"pickle": lambda obj: pickle.loads(pickle.dumps(obj)), "deepcopy": copy.deepcopy}
 
 
-def fit_one_epoch(directory: Path, ema: EMACallback, module: Classifier, *more: pl.Callback) -> State:
+def fit_one_epoch(directory: Path, ema: EMAWeights, module: Classifier, *more: pl.Callback) -> State:
     pl.seed_everything(0)
     trainer(directory, [ema, *more], max_epochs=1).fit(module, labelled(), labelled(48))
     assert ema.ema is not None
@@ -816,7 +816,7 @@ def copies_go_on_alone(tmp_path: Path, copy_of: Callable[[Any], Any]) -> tuple[b
     """The original and a copy taken after fit each train one more epoch (the copy on a twin of the module): whether
     the copy ended as the original did, and whether the original's average stayed as its own epoch left it."""
     pl.seed_everything(0)
-    ema, module = EMACallback(decay=0.9), Classifier()
+    ema, module = EMAWeights(decay=0.9), Classifier()
     fit_one_epoch(tmp_path / "first", ema, module)
     after, its_module = copy_of(ema), twin(module)
     original = fit_one_epoch(tmp_path / "original", ema, module)
@@ -831,7 +831,7 @@ def test_a_pickled_or_deep_copied_callback_is_an_independent_working_callback_be
 ) -> None:
     copy_of = COPIES[how]
     pl.seed_everything(0)
-    ema, module = EMACallback(decay=0.9), Classifier()
+    ema, module = EMAWeights(decay=0.9), Classifier()
     before = copy_of(ema)  # before setup
     during = CopiesDuringFit(ema, copy_of)
     trained = fit_one_epoch(tmp_path / "original", ema, module, during)
@@ -842,7 +842,7 @@ def test_a_pickled_or_deep_copied_callback_is_an_independent_working_callback_be
     # A copy holds the average in storage of its own, and tracks no module until a fit gives it one.
     assert ema.ema is not None and ema._trainer is not None
     for copied in (during.copied, after):
-        assert isinstance(copied, EMACallback) and copied.ema is not None
+        assert isinstance(copied, EMAWeights) and copied.ema is not None
         assert copied.ema.live_model is None and copied._trainer is None and copied._wrapped == []
         assert not any(shares_storage(t, x) for t in copied.ema.shadow.values() for x in ema.ema.shadow.values())
     assert same(after.ema.shadow, trained) and after.ema.step == 6
@@ -888,7 +888,7 @@ def test_with_monitor_lightning_rewrites_last_ckpt_only_when_the_score_improves_
     monitored, every = tmp_path / "monitored", tmp_path / "every"
     look = EpochOfLast([monitored, every])
     callbacks = [
-        EMACallback(decay=0.9),
+        EMAWeights(decay=0.9),
         ModelCheckpoint(monitored, monitor="val/score_ema", mode="max", save_last=True, save_top_k=1),
         ModelCheckpoint(every, filename="last", save_on_train_epoch_end=True, enable_version_counter=False),
         look,
@@ -902,12 +902,12 @@ def test_with_monitor_lightning_rewrites_last_ckpt_only_when_the_score_improves_
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_ema_and_live_evaluation_passes_every_epoch_train_as_validating_once(device: str) -> None:
-    """``EMACallback``'s quiet EMA pass and the live pass after it, every epoch, under ``IsolatedEvaluation``: the
+    """``EMAWeights``'s quiet EMA pass and the live pass after it, every epoch, under ``IsolatedEvaluation``: the
     weights, optimizer state, EMA and generators end as with one validation at the end. Control: without
     ``IsolatedEvaluation`` they do not."""
 
     def callbacks(isolated: bool) -> list[pl.Callback]:
-        return [*([IsolatedEvaluation()] if isolated else []), EMACallback(decay=0.9)]
+        return [*([IsolatedEvaluation()] if isolated else []), EMAWeights(decay=0.9)]
 
     every_epoch = {"check_val_every_n_epoch": 1}
     once = isolation.fit(device, isolation.ONCE, callbacks(isolated=True))

@@ -1,4 +1,4 @@
-"""``PostHocEMACallback(skip_nonfinite=True)`` in a real Trainer whose loss turns NaN: the profiles stay finite, the
+"""``PostHocEMASnapshots(skip_nonfinite=True)`` in a real Trainer whose loss turns NaN: the profiles stay finite, the
 skipped count is logged, read once per epoch, and the first epoch that skips warns once; a resumed run counts only
 its own skips in that warning. The control, without the guard: NaN profiles, nothing logged."""
 
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from copy_correct import PowerEMA
-from copy_correct.lightning import PostHocEMACallback
+from copy_correct.lightning import PostHocEMASnapshots
 from copy_correct.lightning._skip_log import SkipLog
 from copy_correct.posthoc_ema import snapshot_paths
-from tests.lightning import test_posthoc_ema_callback
-from tests.lightning.test_posthoc_ema_callback import Regressor, fit
+from tests.lightning import test_posthoc_ema_snapshots
+from tests.lightning.test_posthoc_ema_snapshots import Regressor, fit
 
 
 class Diverging(Regressor):
@@ -40,8 +40,8 @@ def test_the_callback_skips_and_logs_the_count_once_per_epoch(tmp_path: Path, mo
         return counted(ema)
 
     monkeypatch.setattr(PowerEMA, "skipped", property(skipped))
-    monkeypatch.setattr(test_posthoc_ema_callback, "Regressor", Diverging)  # what fit trains
-    callback = PostHocEMACallback(snapshot_every=4, skip_nonfinite=True)
+    monkeypatch.setattr(test_posthoc_ema_snapshots, "Regressor", Diverging)  # what fit trains
+    callback = PostHocEMASnapshots(snapshot_every=4, skip_nonfinite=True)
     warning = r"PowerEMA: 2 update\(s\) skipped in epoch 0: the live weights held NaN or Inf"
     with pytest.warns(UserWarning, match=warning) as record:
         trainer = fit(tmp_path / "guarded", [callback], epochs=2)  # 2 epochs of 6 optimizer steps
@@ -55,7 +55,7 @@ def test_the_callback_skips_and_logs_the_count_once_per_epoch(tmp_path: Path, mo
         "power-ema-000000004.pt"  # every later snapshot holds the profiles of step 4, under that name
     ]
 
-    control = PostHocEMACallback(snapshot_every=4)  # without the guard: NaN, nothing logged
+    control = PostHocEMASnapshots(snapshot_every=4)  # without the guard: NaN, nothing logged
     unguarded = fit(tmp_path / "control", [control], epochs=2)
     assert control.power_ema is not None and not torch.isfinite(control.power_ema.profiles[0]["net.0.weight"]).all()
     assert "posthoc_ema/skipped" not in unguarded.callback_metrics
@@ -63,7 +63,7 @@ def test_the_callback_skips_and_logs_the_count_once_per_epoch(tmp_path: Path, mo
 
 class Spikes(pl.Callback):
     """A NaN in the first weight after the optimizer steps in ``steps``, seen by the callbacks after this one (the
-    PostHocEMACallback's update), taken out before the next batch: a run that recovers (its checkpoints finite)."""
+    PostHocEMASnapshots's update), taken out before the next batch: a run that recovers (its checkpoints finite)."""
 
     def __init__(self, steps: set[int]) -> None:
         self.steps = steps
@@ -89,9 +89,9 @@ def test_a_resumed_run_warns_of_its_own_skips(tmp_path: Path, monkeypatch: pytes
     resumed count warns of 5."""
     steps = {4, 5, 8, 9, 10}
     with pytest.warns(UserWarning, match=r"PowerEMA: 2 update\(s\) skipped in epoch 0"):
-        fit(tmp_path / "first", [Spikes(steps), PostHocEMACallback(snapshot_every=4, skip_nonfinite=True)], epochs=1)
+        fit(tmp_path / "first", [Spikes(steps), PostHocEMASnapshots(snapshot_every=4, skip_nonfinite=True)], epochs=1)
     last = tmp_path / "first" / "checkpoints" / "last.ckpt"
-    resumed = PostHocEMACallback(snapshot_every=4, skip_nonfinite=True)
+    resumed = PostHocEMASnapshots(snapshot_every=4, skip_nonfinite=True)
     with pytest.warns(UserWarning, match=r"PowerEMA: 3 update\(s\) skipped in epoch 1") as record:
         trainer = fit(tmp_path / "resumed", [Spikes(steps), resumed], epochs=2, ckpt_path=last)
     assert len(skip_warnings(record)) == 1
@@ -101,5 +101,5 @@ def test_a_resumed_run_warns_of_its_own_skips(tmp_path: Path, monkeypatch: pytes
 
     monkeypatch.setattr(SkipLog, "resumed", lambda self, skipped: None)
     with pytest.warns(UserWarning, match=r"PowerEMA: 5 update\(s\) skipped in epoch 1"):
-        control = PostHocEMACallback(snapshot_every=4, skip_nonfinite=True)
+        control = PostHocEMASnapshots(snapshot_every=4, skip_nonfinite=True)
         fit(tmp_path / "control", [Spikes(steps), control], epochs=2, ckpt_path=last)

@@ -1,4 +1,4 @@
-"""``EMACallback``: keep an ``EMA`` of a LightningModule during ``fit``, evaluate with it, checkpoint it.
+"""``EMAWeights``: keep an ``EMA`` of a LightningModule during ``fit``, evaluate with it, checkpoint it.
 
 Copy contract: the shadow is the ``EMA``'s own tensors (see ``copy_correct.ema``), never a deep copy of the
 LightningModule and never in its ``parameters()``; evaluation copies the average into the module and the live values
@@ -8,7 +8,7 @@ reaches the average.
 * Updates after every optimizer step (so once per ``accumulate_grad_batches`` batches), from
   ``start_step`` on, every ``update_every`` steps. The step is read once training starts, after Lightning restored a
   resumed run's counters, so a resumed run makes exactly the updates the uninterrupted one makes, with any
-  accumulation (``tests/lightning/test_ema_callback.py`` resumes at every step).
+  accumulation (``tests/lightning/test_ema_weights.py`` resumes at every step).
 * ``evaluate="both"`` (default): each validation (and test) epoch runs twice, first with the EMA weights,
   logging every metric the module logs under its name plus ``suffix`` (``val/acc`` -> ``val/acc_ema``),
   then with the live weights as usual. The EMA pass runs without the other callbacks, so checkpointing,
@@ -100,7 +100,7 @@ from copy_correct.lightning._lightning_internals import (
 from copy_correct.lightning._rank_zero_buffers import RankZeroBuffers
 from copy_correct.lightning._skip_log import SkipLog
 
-__all__ = ["EMACallback"]
+__all__ = ["EMAWeights"]
 
 _EVALUATE = ("both", "ema", "live")
 _CHECKPOINT_WEIGHTS = ("ema", "live")
@@ -111,7 +111,7 @@ _NEEDS = {  # the Lightning internals each evaluation mode goes through
 }
 
 
-class EMACallback(pl.Callback):
+class EMAWeights(pl.Callback):
     """Args: those of ``EMA`` (``decay`` … ``skip_nonfinite``), plus ``evaluate``, ``suffix``,
     ``checkpoint_weights`` and ``ema_weights_at_end``."""
 
@@ -196,7 +196,7 @@ class EMACallback(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Check that the Lightning internals ``evaluate`` needs are there (one ``RuntimeError`` line naming what is
         missing and the version installed), then wrap ``trainer.save_checkpoint`` and the evaluation loops' ``run``."""
-        check(f"EMACallback(evaluate={self.evaluate!r})", trainer, _NEEDS[self.evaluate])
+        check(f"EMAWeights(evaluate={self.evaluate!r})", trainer, _NEEDS[self.evaluate])
         self._trainer = trainer
         if "save_checkpoint" not in vars(trainer):  # kept after teardown: saves after fit hold what saves in it hold
             trainer.save_checkpoint = self._save_outside_the_pass(trainer.save_checkpoint)  # type: ignore[method-assign]
@@ -229,7 +229,7 @@ class EMACallback(pl.Callback):
     def _check_dispatched(self) -> None:
         """An evaluation that starts outside the wrapped ``run`` would log no EMA metrics: it stops, in one line."""
         if self._wrapped and not self._in_run:
-            raise unsupported(f"EMACallback(evaluate={self.evaluate!r})", [EVALUATION_DISPATCH])
+            raise unsupported(f"EMAWeights(evaluate={self.evaluate!r})", [EVALUATION_DISPATCH])
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._check_dispatched()

@@ -1,4 +1,4 @@
-"""``EMACallback(skip_nonfinite=True)`` in a real Trainer: a run whose weights turn NaN keeps a finite average, the
+"""``EMAWeights(skip_nonfinite=True)`` in a real Trainer: a run whose weights turn NaN keeps a finite average, the
 skipped count is logged once per epoch (one read of the counter), not per step, and the first epoch that skips warns
 once."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from copy_correct import EMA
-from copy_correct.lightning import EMACallback
-from tests.lightning.test_ema_callback import Regressor, loader, trainer
+from copy_correct.lightning import EMAWeights
+from tests.lightning.test_ema_weights import Regressor, loader, trainer
 
 
 class Diverging(Regressor):
@@ -34,7 +34,7 @@ def test_a_diverging_run_keeps_a_finite_average_and_logs_the_skipped_count_once_
         return counted(ema)
 
     monkeypatch.setattr(EMA, "skipped", property(skipped))
-    callback = EMACallback(decay=0.9, skip_nonfinite=True)
+    callback = EMAWeights(decay=0.9, skip_nonfinite=True)
     t = trainer(tmp_path, [callback], limit_val_batches=0)
     with pytest.warns(
         UserWarning, match=r"EMA: 6 update\(s\) skipped in epoch 1: the live weights held NaN or Inf"
@@ -47,7 +47,7 @@ def test_a_diverging_run_keeps_a_finite_average_and_logs_the_skipped_count_once_
     assert t.callback_metrics["ema/skipped"].item() == 6  # steps 11 to 16
     assert reads == [8, 16]  # once per epoch
 
-    control = EMACallback(decay=0.9)  # without the guard: the average is NaN for good, and nothing is logged
+    control = EMAWeights(decay=0.9)  # without the guard: the average is NaN for good, and nothing is logged
     unguarded = trainer(tmp_path, [control], limit_val_batches=0)
     unguarded.fit(Diverging(), loader(), loader())
     assert control.ema is not None and not torch.isfinite(control.ema.shadow["net.0.weight"]).all()

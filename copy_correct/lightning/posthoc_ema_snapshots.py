@@ -1,4 +1,4 @@
-"""``PostHocEMACallback``: ``PowerEMA`` profiles of a LightningModule during ``fit``, snapshotted into the run's
+"""``PostHocEMASnapshots``: ``PowerEMA`` profiles of a LightningModule during ``fit``, snapshotted into the run's
 checkpoint directory for post-hoc EMA: ``copy-correct posthoc RUN_DIR --sigma-rel 0.08`` (the command installed with
 the package, ``copy_correct.cli``) writes checkpoints of the synthesized weights beside the run's.
 
@@ -38,7 +38,7 @@ weights as Lightning saves them.
   ``copy_correct.power_ema``), updated with no collective, and every rank writes its own snapshot files
   (``power-ema-STEP-rankRofW.pt``, the final snapshot too: every rank takes it, deciding on the step alone;
   ``copy-correct posthoc`` combines each rank's into its shards and joins them). Before each update rank 0's
-  floating buffers are copied into every rank's module (one broadcast per dtype), as ``EMACallback`` does: FSDP2
+  floating buffers are copied into every rank's module (one broadcast per dtype), as ``EMAWeights`` does: FSDP2
   never synchronises BatchNorm statistics, and a distributed checkpoint keeps one copy of a tensor that is not
   sharded, so only then do all ranks average, save and resume the same buffers. Checkpoints hold the profiles as
   Lightning holds the weights: in a distributed checkpoint (a directory, the default) each rank writes its shards
@@ -86,10 +86,10 @@ from copy_correct.lightning._skip_log import SkipLog
 from copy_correct.posthoc_ema import load_snapshot, snapshot_paths
 from copy_correct.power_ema import PowerEMA, snapshot_name
 
-__all__ = ["PostHocEMACallback"]
+__all__ = ["PostHocEMASnapshots"]
 
 
-class PostHocEMACallback(pl.Callback):
+class PostHocEMASnapshots(pl.Callback):
     """Args: those of ``PowerEMA`` (``sigma_rels`` ... ``skip_nonfinite``); ``snapshot_dir`` defaults to
     ``power_ema/`` in the checkpoint directory; ``module``: the submodule to average (an attribute path of the
     LightningModule, ``"generator"``), ``None`` for all of it."""
@@ -206,7 +206,7 @@ class PostHocEMACallback(pl.Callback):
         ``final``: the snapshot taken when ``fit`` ends. Removes the resumed fit's final snapshot (module docstring)
         once this one is written elsewhere."""
         if self.power_ema is None:
-            raise RuntimeError("PostHocEMACallback.save_snapshot before fit started: there are no profiles yet")
+            raise RuntimeError("PostHocEMASnapshots.save_snapshot before fit started: there are no profiles yet")
         state = self.power_ema.snapshot()
         if self.module is not None:
             prefix = f"{self.module}."
@@ -335,7 +335,7 @@ def _submodule(pl_module: pl.LightningModule, module: str | None) -> torch.nn.Mo
     except AttributeError:
         children = ", ".join(name for name, _ in pl_module.named_children())
         raise ValueError(
-            f"PostHocEMACallback module={module!r}: {type(pl_module).__name__} has no such submodule "
+            f"PostHocEMASnapshots module={module!r}: {type(pl_module).__name__} has no such submodule "
             f"(its children: {children})"
         ) from None
 
