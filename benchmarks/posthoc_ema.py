@@ -192,7 +192,7 @@ def reconstruction_errors(steps: int, snapshots: int, folder: Path) -> tuple[dic
     model = small_model()
     every = steps // snapshots
     ours = PowerEMA(model, SIGMA_RELS, snapshot_every=every, snapshot_dir=folder / "ours")
-    tracked = PowerEMA(model, TARGETS, profile_dtype=torch.float64)  # the reference: each target tracked directly
+    tracked = PowerEMA(model, TARGETS, shadow_dtype=torch.float64)  # the reference: each target tracked directly
     trackers: dict[str, object] = {}
     not_run: dict[str, str] = {}
     ema_pytorch = peer()

@@ -530,8 +530,7 @@ class EMA:
             else:
                 foreach_copy_(group.shadows, lives)
 
-    @property
-    def skipped(self) -> int:
+    def _skipped_count(self) -> int:
         """How many updates ``skip_nonfinite`` skipped (0 without it). The count is kept beside the shadow: on a GPU
         reading it waits for the updates queued before (a sync, once per read, never in ``update``)."""
         return int(self._skipped) if self.skip_nonfinite else 0
@@ -701,7 +700,7 @@ class EMA:
             "shadow": dict(self.shadow),
         }
         if self.skip_nonfinite:  # read from the device: a sync per save
-            state |= {"skipped": self.skipped, "applied_updates": int(self._applied)}
+            state |= {"skipped": self._skipped_count(), "applied_updates": int(self._applied)}
         if self.sharded:
             state["layout"] = self.layout()
         return state

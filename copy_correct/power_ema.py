@@ -13,7 +13,7 @@ Copy contract:
   device: ``beta`` is a Python float computed on the host from the host's step counters (under ``skip_nonfinite`` on
   the CPU, from the applied step, a CPU tensor's value). Each write raises the profile tensors' versions by one on
   every device (``copy_correct._foreach_writes``); an update skipped on the CPU writes nothing (``skip_nonfinite``).
-* A float16/bfloat16 model gets float32 profiles (``profile_dtype=None``); a group whose profile dtype differs from the
+* A float16/bfloat16 model gets float32 profiles (``shadow_dtype=None``); a group whose profile dtype differs from the
   model's keeps one staging copy of its live tensors in the profile dtype, allocated once and shared by the profiles.
 * ``beta`` for an update at optimizer step ``t`` whose previous update was at step ``p`` is
   ``(p / t) ** (gamma + 1)``, the product of the per-step ``(1 - 1/s) ** (gamma + 1)`` over ``s = p+1..t``. With
@@ -168,7 +168,7 @@ class PowerEMA:
             ``None``: only when ``save_snapshot`` is called.
         snapshot_dir: where scheduled snapshots go.
         include_buffers: average floating buffers and copy integer ones; ``False``: parameters only.
-        profile_dtype: dtype of the profiles' floating tensors; ``None``: float32 for float16/bfloat16 models, the
+        shadow_dtype: dtype of the profiles' floating tensors; ``None``: float32 for float16/bfloat16 models, the
             model's dtype otherwise.
         skip_nonfinite: skip every update whose live values hold a NaN or an Inf, leaving every profile bit for bit
             as it was; the next good update is made as if the skipped one had never been. ``skipped`` counts them.
@@ -192,7 +192,7 @@ class PowerEMA:
         snapshot_every: int | None = None,
         snapshot_dir: str | os.PathLike[str] | None = None,
         include_buffers: bool = True,
-        profile_dtype: torch.dtype | None = None,
+        shadow_dtype: torch.dtype | None = None,
         skip_nonfinite: bool = False,
     ) -> None:
         module("model", model)
@@ -214,7 +214,7 @@ class PowerEMA:
         self.step = 0  # optimizer steps seen (update() calls)
         self.updated_step = 0  # the step of the last averaging update: the profiles hold weights of steps 1..this
         self.include_buffers = flag("include_buffers", include_buffers)
-        self.profile_dtype = floating_dtype("profile_dtype", profile_dtype)
+        self.shadow_dtype = floating_dtype("shadow_dtype", shadow_dtype)
         self._model: nn.Module | None = unwrap(model)
         self.sharded = any(is_sharded(p) for p in self._model.parameters())
         self.profiles: list[dict[str, torch.Tensor]] = [{} for _ in sigma_rels]
@@ -273,8 +273,8 @@ class PowerEMA:
                 dtype, device = live.dtype, live.device
                 if existing is not None:
                     dtype, device = existing[0][name].dtype, existing[0][name].device
-                elif average and self.profile_dtype is not None:
-                    dtype = self.profile_dtype
+                elif average and self.shadow_dtype is not None:
+                    dtype = self.shadow_dtype
                 elif average and live.dtype in _LOW_PRECISION:
                     dtype = torch.float32
                 key = (live.device, live.dtype, device, dtype, average)
@@ -432,8 +432,7 @@ class PowerEMA:
         if self._guard is not None:
             self._applied_step.fill_(self.step)
 
-    @property
-    def skipped(self) -> int:
+    def _skipped_count(self) -> int:
         """How many updates ``skip_nonfinite`` skipped (0 without it). Kept beside the profiles: on a GPU reading it
         waits for the updates queued before (a sync, the reader's, never ``update``'s)."""
         return int(self._skipped) if self.skip_nonfinite else 0

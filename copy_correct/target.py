@@ -77,6 +77,7 @@ import functools
 import operator
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -149,10 +150,14 @@ def soft_update(target: nn.Module, online: nn.Module, tau: float, *, skip_nonfin
     _update(target, online, tau, skip_nonfinite, "soft_update")
 
 
-def skipped_updates(target: nn.Module) -> int:
-    """How many ``skip_nonfinite`` updates of ``target`` were skipped (0 if none was guarded): on the CPU a host count,
-    elsewhere a read of a device counter, so a sync on a GPU; read it when you log, not every step."""
-    guarded = _GUARDS.get(unwrap(target, "target"))
+def skipped_updates(averaged: Any) -> int:
+    """How many ``skip_nonfinite`` updates of ``averaged`` were skipped (0 if none was guarded): an ``EMA``, a
+    ``PowerEMA`` or a target network of ``hard_update``/``soft_update``. On the CPU a host count, elsewhere a read of a
+    device counter, so a sync on a GPU: read it when you log, not every step."""
+    count = getattr(type(averaged), "_skipped_count", None)
+    if count is not None:
+        return count(averaged)
+    guarded = _GUARDS.get(unwrap(averaged, "averaged"))
     return 0 if guarded is None else int(guarded[2].skipped)
 
 

@@ -99,6 +99,7 @@ from copy_correct.lightning._lightning_internals import (
 )
 from copy_correct.lightning._rank_zero_buffers import RankZeroBuffers
 from copy_correct.lightning._skip_log import SkipLog
+from copy_correct.target import skipped_updates
 
 __all__ = ["EMAWeights"]
 
@@ -309,7 +310,7 @@ class EMAWeights(pl.Callback):
         """Log how many updates ``skip_nonfinite`` skipped so far (``SkipLog``: one read of the counter per epoch, one
         warning the first time an epoch skips)."""
         if self.ema is not None and self.ema.skip_nonfinite:
-            self._skips.epoch_end(pl_module, self.ema.skipped)
+            self._skips.epoch_end(pl_module, skipped_updates(self.ema))
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.ema_weights_at_end and self.ema is not None:

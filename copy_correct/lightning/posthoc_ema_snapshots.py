@@ -85,6 +85,7 @@ from copy_correct.lightning._rank_zero_buffers import RankZeroBuffers
 from copy_correct.lightning._skip_log import SkipLog
 from copy_correct.posthoc_ema import load_snapshot, snapshot_paths
 from copy_correct.power_ema import PowerEMA, snapshot_name
+from copy_correct.target import skipped_updates
 
 __all__ = ["PostHocEMASnapshots"]
 
@@ -102,7 +103,7 @@ class PostHocEMASnapshots(pl.Callback):
         snapshot_every: int = 1000,
         snapshot_dir: str | Path | None = None,
         include_buffers: bool = True,
-        profile_dtype: torch.dtype | None = None,
+        shadow_dtype: torch.dtype | None = None,
         skip_nonfinite: bool = False,
         module: str | None = None,
     ) -> None:
@@ -110,7 +111,7 @@ class PostHocEMASnapshots(pl.Callback):
             "sigma_rels": tuple(sigma_rels),
             "update_every": update_every,
             "include_buffers": include_buffers,
-            "profile_dtype": profile_dtype,
+            "shadow_dtype": shadow_dtype,
             "skip_nonfinite": skip_nonfinite,
         }
         # Bad arguments fail now; on a BatchNorm, whose construction draws nothing from the run's random generator.
@@ -198,7 +199,7 @@ class PostHocEMASnapshots(pl.Callback):
         """Log how many updates ``skip_nonfinite`` skipped so far (``SkipLog``: one read of the counter per epoch, one
         warning the first time an epoch skips)."""
         if self.power_ema is not None and self.power_ema.skip_nonfinite:
-            self._skips.epoch_end(pl_module, self.power_ema.skipped)
+            self._skips.epoch_end(pl_module, skipped_updates(self.power_ema))
 
     def save_snapshot(self, directory: str | Path, *, final: bool = False) -> Path:
         """Write the profiles as they are now to ``directory / snapshot_name(step)`` atomically (what the schedule

@@ -27,13 +27,13 @@ def test_a_diverging_run_keeps_a_finite_average_and_logs_the_skipped_count_once_
     tmp_path: Path, monkeypatch
 ) -> None:
     reads = []
-    counted = EMA.skipped.fget
+    counted = EMA._skipped_count
 
     def skipped(ema: EMA) -> int:
         reads.append(ema.step)
         return counted(ema)
 
-    monkeypatch.setattr(EMA, "skipped", property(skipped))
+    monkeypatch.setattr(EMA, "_skipped_count", skipped)
     callback = EMAWeights(decay=0.9, skip_nonfinite=True)
     t = trainer(tmp_path, [callback], limit_val_batches=0)
     with pytest.warns(

@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from copy_correct import PowerEMA
+from copy_correct import PowerEMA, skipped_updates
 from copy_correct.lightning import PostHocEMASnapshots
 from copy_correct.lightning._skip_log import SkipLog
 from copy_correct.posthoc_ema import snapshot_paths
@@ -33,13 +33,13 @@ def skip_warnings(record: pytest.WarningsRecorder) -> list[str]:
 
 def test_the_callback_skips_and_logs_the_count_once_per_epoch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     reads = []
-    counted = PowerEMA.skipped.fget
+    counted = PowerEMA._skipped_count
 
     def skipped(ema: PowerEMA) -> int:
         reads.append(ema.step)
         return counted(ema)
 
-    monkeypatch.setattr(PowerEMA, "skipped", property(skipped))
+    monkeypatch.setattr(PowerEMA, "_skipped_count", skipped)
     monkeypatch.setattr(test_posthoc_ema_snapshots, "Regressor", Diverging)  # what fit trains
     callback = PostHocEMASnapshots(snapshot_every=4, skip_nonfinite=True)
     warning = r"PowerEMA: 2 update\(s\) skipped in epoch 0: the live weights held NaN or Inf"
@@ -96,7 +96,10 @@ def test_a_resumed_run_warns_of_its_own_skips(tmp_path: Path, monkeypatch: pytes
         trainer = fit(tmp_path / "resumed", [Spikes(steps), resumed], epochs=2, ckpt_path=last)
     assert len(skip_warnings(record)) == 1
     assert trainer.callback_metrics["posthoc_ema/skipped"].item() == 5
-    assert resumed.power_ema is not None and (resumed.power_ema.skipped, resumed.power_ema.applied_step) == (5, 12)
+    assert resumed.power_ema is not None and (skipped_updates(resumed.power_ema), resumed.power_ema.applied_step) == (
+        5,
+        12,
+    )
     assert all(torch.isfinite(v).all() for p in resumed.power_ema.profiles for v in p.values() if v.is_floating_point())
 
     monkeypatch.setattr(SkipLog, "resumed", lambda self, skipped: None)

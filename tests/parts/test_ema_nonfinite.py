@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from copy_correct import EMA
+from copy_correct import EMA, skipped_updates
 from copy_correct._finite_check import FiniteCheck
 from copy_correct.probes import CopyAudit, MemoryProbe
 from tests.conftest import DEVICES
@@ -88,10 +88,10 @@ def test_poisoned_updates_leave_the_average_and_the_next_ones_as_if_they_never_h
         runs[name] = ema
     guarded, clean, control = runs["guarded"], runs["never poisoned"], runs["control"]
     assert same_bits(bits(guarded.shadow), bits(clean.shadow))
-    assert (guarded.skipped, clean.skipped, guarded.num_updates, clean.num_updates) == (3, 0, 15, 12)
+    assert (skipped_updates(guarded), skipped_updates(clean), guarded.num_updates, clean.num_updates) == (3, 0, 15, 12)
     name = "0.weight" if where == "parameter" else "1.running_var"
     assert not torch.isfinite(control.shadow[name]).all()  # the control: one poisoned update, poisoned for good
-    assert control.skipped == 0
+    assert skipped_updates(control) == 0
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -173,7 +173,7 @@ def test_each_width_is_copied_and_skipped_bit_for_bit(dtype: torch.dtype) -> Non
     assert same_bits(bits(ema.shadow), copied) and ema.shadow["0.bias"].dtype == dtype
     train_step(model, 1)
     update_poisoned(ema, model, "buffer", -float("inf"))  # an average, skipped
-    assert same_bits(bits(ema.shadow), copied) and ema.skipped == 2
+    assert same_bits(bits(ema.shadow), copied) and skipped_updates(ema) == 2
 
 
 def test_start_step_copies_and_update_every_hold_and_the_warmup_restarts_where_it_stood() -> None:
@@ -181,22 +181,22 @@ def test_start_step_copies_and_update_every_hold_and_the_warmup_restarts_where_i
     ema = EMA(model, decay=0.999, start_step=2, update_every=3, skip_nonfinite=True)
     copy_before = bits(ema.shadow)
     update_poisoned(ema, model, "buffer", float("nan"))  # call 0: a copy, skipped
-    assert same_bits(bits(ema.shadow), copy_before) and ema.skipped == 1
+    assert same_bits(bits(ema.shadow), copy_before) and skipped_updates(ema) == 1
     train_step(model, 0)
     ema.update(model)  # call 1: a copy, bit for bit, the step counter included
     assert same_bits(bits(ema.shadow), bits(model.state_dict()))
     average_before = bits(ema.shadow)
     train_step(model, 1)
     update_poisoned(ema, model, "parameter", float("nan"))  # call 2: the first averaging update, skipped
-    assert same_bits(bits(ema.shadow), average_before) and ema.skipped == 2
+    assert same_bits(bits(ema.shadow), average_before) and skipped_updates(ema) == 2
     for _ in range(2):  # calls 3 and 4: not averaging calls (every 3rd from start_step), poisoned or not
         update_poisoned(ema, model, "parameter", float("inf"))
-    assert same_bits(bits(ema.shadow), average_before) and ema.skipped == 2
+    assert same_bits(bits(ema.shadow), average_before) and skipped_updates(ema) == 2
     train_step(model, 2)
     ema.update(model)  # call 5: the first applied averaging update, decay_at(0) == 0: the average becomes the weights
     live = model.state_dict()
     assert all(torch.equal(ema.shadow[k], live[k]) for k in live)
-    assert (ema.step, ema.num_updates, ema.skipped) == (6, 2, 2)
+    assert (ema.step, ema.num_updates, skipped_updates(ema)) == (6, 2, 2)
 
     control = EMA(net(), decay=0.999, start_step=2, update_every=3, skip_nonfinite=False)
     update_poisoned(control, control.live_model, "buffer", float("nan"))
@@ -225,7 +225,7 @@ def test_a_guarded_update_allocates_nothing_and_writes_only_when_it_averages(dev
         with torch.autograd.profiler.profile() as profile:
             ema.update(model)
         assert not {event.name for event in profile.function_events} & MAKERS
-    assert ema.skipped == 2  # the profiled update was bad too
+    assert skipped_updates(ema) == 2  # the profiled update was bad too
 
     # The control: PR #24307's check, `isfinite().all()` per tensor, allocates (and syncs once per tensor on CUDA).
     with MemoryProbe(device) as control, torch.autograd.profiler.profile() as profile:
@@ -258,7 +258,7 @@ def test_the_decision_is_what_guards(monkeypatch: pytest.MonkeyPatch) -> None:
     model = net()
     ema = EMA(model, decay=0.9, skip_nonfinite=True)
     update_poisoned(ema, model, "parameter", float("nan"))
-    assert ema.shadow["0.weight"].isnan().any() and ema.skipped == 0
+    assert ema.shadow["0.weight"].isnan().any() and skipped_updates(ema) == 0
 
 
 def test_the_guard_of_a_cpu_average_decides_on_the_host() -> None:
@@ -268,7 +268,7 @@ def test_the_guard_of_a_cpu_average_decides_on_the_host() -> None:
     assert isinstance(ema._guard, FiniteCheck)
     before = bits(ema.shadow)
     update_poisoned(ema, model, "buffer", -float("inf"))
-    assert same_bits(bits(ema.shadow), before) and ema.skipped == 1
+    assert same_bits(bits(ema.shadow), before) and skipped_updates(ema) == 1
     with pytest.raises(TypeError, match=r"skip_nonfinite must be True or False, got str 'yes'"):
         EMA(model, skip_nonfinite="yes")  # type: ignore[arg-type]
 
@@ -284,7 +284,7 @@ def test_a_cuda_shadow_decides_on_the_device_and_a_cpu_shadow_of_a_cuda_model_on
     assert isinstance(on_host._guard, FiniteCheck)
     before = bits(on_host.shadow)
     update_poisoned(on_host, model, "parameter", float("nan"))
-    assert same_bits(bits(on_host.shadow), before) and on_host.skipped == 1
+    assert same_bits(bits(on_host.shadow), before) and skipped_updates(on_host) == 1
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -301,17 +301,17 @@ def test_skipped_and_the_warmup_position_round_trip_through_state_dict(device: s
     torch.save(state, tmp_path / "ema.pt")
     restored = EMA(model, decay=0.99, skip_nonfinite=True)
     restored.load_state_dict(torch.load(tmp_path / "ema.pt", weights_only=True))
-    assert restored.skipped == 2
+    assert skipped_updates(restored) == 2
     for ema_ in (ema, restored):  # the same next update: the same warm-up position
         ema_.update(model)
     assert same_bits(bits(restored.shadow), bits(ema.shadow))
 
     old = {k: v for k, v in state.items() if k not in ("skipped", "applied_updates")}  # saved without the guard
     restored.load_state_dict(old)
-    assert restored.skipped == 0 and int(restored._applied) == 8
+    assert skipped_updates(restored) == 0 and int(restored._applied) == 8
     unguarded = EMA(net(device), decay=0.99, skip_nonfinite=False)
     unguarded.load_state_dict(state)
-    assert unguarded.skipped == 0 and "skipped" not in unguarded.state_dict()
+    assert skipped_updates(unguarded) == 0 and "skipped" not in unguarded.state_dict()
 
 
 def test_a_copy_keeps_the_count_and_skips_once_given_the_model() -> None:
@@ -319,11 +319,11 @@ def test_a_copy_keeps_the_count_and_skips_once_given_the_model() -> None:
     ema = EMA(model, decay=0.9, skip_nonfinite=True)
     update_poisoned(ema, model, "parameter", float("nan"))
     for clone in (pickle.loads(pickle.dumps(ema)), copy.deepcopy(ema)):
-        assert clone.skipped == 1
+        assert skipped_updates(clone) == 1
         before = bits(clone.shadow)
         update_poisoned(clone, model, "parameter", float("nan"))  # tracks the model from here on
-        assert same_bits(bits(clone.shadow), before) and clone.skipped == 2
-    assert ema.skipped == 1
+        assert same_bits(bits(clone.shadow), before) and skipped_updates(clone) == 2
+    assert skipped_updates(ema) == 1
 
 
 def test_a_model_that_is_not_finite_at_construction_is_refused() -> None:
@@ -332,9 +332,9 @@ def test_a_model_that_is_not_finite_at_construction_is_refused() -> None:
     with pytest.raises(ValueError, match=r"skip_nonfinite=True, but the model's \['mask'\] hold NaN or Inf"):
         EMA(model, skip_nonfinite=True)
     ema = EMA(model)
-    assert not ema.skip_nonfinite and ema.skipped == 0
+    assert not ema.skip_nonfinite and skipped_updates(ema) == 0
     ema.update(model)  # without the guard nothing is checked, nothing counted
-    assert ema.skipped == 0
+    assert skipped_updates(ema) == 0
 
 
 @pytest.mark.gpu
@@ -353,5 +353,5 @@ def test_cuda_guarded_update_has_no_host_sync() -> None:
             with no_host_sync():
                 e.update(m)
             flat[3] = kept
-    assert (ema.skipped, staged.skipped) == (2, 2)
+    assert (skipped_updates(ema), skipped_updates(staged)) == (2, 2)
     assert all(torch.isfinite(t).all() for e in (ema, staged) for t in e.shadow.values() if t.is_floating_point())

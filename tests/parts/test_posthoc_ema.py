@@ -426,7 +426,7 @@ def test_bf16_model_gets_float32_profiles_where_bf16_ones_round_every_update_awa
     with torch.no_grad():
         model.weight.fill_(1.0)
     ours = PowerEMA(model, (0.10,))
-    control = PowerEMA(model, (0.10,), profile_dtype=torch.bfloat16)
+    control = PowerEMA(model, (0.10,), shadow_dtype=torch.bfloat16)
     assert ours.profiles[0]["weight"].dtype == torch.float32
     late = {"sigma_rels": [0.10], "step": 10_000, "updated_step": 10_000}  # late in training: 1 - beta ~ 8e-4
     ours.load_state_dict({**late, "profiles": [{"weight": torch.ones(64, 64)}]})
