@@ -1,9 +1,7 @@
-"""copy-correct: training parts whose tensor copies are proven by memory and gradient tests.
-
-Three layers, one import direction. The tensor parts here (``from copy_correct import EMA``) import torch and numpy
-only, and work in any PyTorch loop. The Lightning adapters (``copy_correct.lightning``) wrap them as callbacks and
-plugins and are the only modules that import Lightning. The probes (``copy_correct.probes``) measure what code
-copies, allocates and keeps alive; no training part imports them.
+"""copy-correct: training parts whose tensor copies are proven by memory and gradient tests. Three layers: the tensor
+parts here import torch and numpy only and work in any PyTorch loop; ``copy_correct.lightning`` wraps them as
+callbacks and plugins (the only Lightning importer); ``copy_correct.probes`` measures what code copies, allocates and
+keeps alive (no training part imports it). Each module's docstring states its own copy contract.
 
 Tensor parts:
     EMA                  shadow weights averaged in place, one foreach call per group; sharded: per rank, no collective
@@ -21,9 +19,7 @@ Tensor parts:
     make_loader          a loader that pins only for an accelerator, with or without the prefetcher
     PowerEMA             power-function EMA profiles (EDM2), updated in place per step, snapshotted atomically
     synthesize           the EMA of any sigma_rel at any step, combined tensor by tensor from PowerEMA snapshots (mmap)
-    solve_coefficients   post-hoc EMA's float64 least-squares coefficients: normalised, later snapshots left out
-    sigma_rel_to_gamma   EDM2's power-function exponent gamma of a relative standard deviation sigma_rel
-    gamma_to_sigma_rel   the relative standard deviation of the power function of exponent gamma
+    synthesis_coefficients  each snapshot profile's coefficient in that EMA (the maths: ``copy_correct.power_function``)
     CheckpointMismatch   raised while restoring a checkpoint that does not fit the run (train.py: one line, exit 2)
     load_checked         torch.load(weights_only=True) of a file after its digests are checked: nothing in it runs
     verify_checkpoint    a checkpoint file's or sharded directory's digests checked, nothing loaded
@@ -38,9 +34,8 @@ from copy_correct.errors import CheckpointMismatch, DamagedFile, UnsafeFile
 from copy_correct.frame_replay import FrameReplayBuffer
 from copy_correct.freeze import frozen
 from copy_correct.grad_average import GradientAverager
-from copy_correct.posthoc_ema import synthesize
+from copy_correct.posthoc_ema import synthesis_coefficients, synthesize
 from copy_correct.power_ema import PowerEMA
-from copy_correct.power_function import gamma_to_sigma_rel, sigma_rel_to_gamma, solve_coefficients
 from copy_correct.prefetch import DevicePrefetcher, map_tensors
 from copy_correct.replay import ReplayBuffer
 from copy_correct.target import hard_update, make_target, skipped_updates, soft_update
@@ -57,16 +52,14 @@ __all__ = [
     "ReplayBuffer",
     "UnsafeFile",
     "frozen",
-    "gamma_to_sigma_rel",
     "hard_update",
     "load_checked",
     "make_loader",
     "make_target",
     "map_tensors",
-    "sigma_rel_to_gamma",
     "skipped_updates",
     "soft_update",
     "verify_checkpoint",
-    "solve_coefficients",
+    "synthesis_coefficients",
     "synthesize",
 ]

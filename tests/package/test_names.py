@@ -14,6 +14,7 @@ import pytest
 
 from tests.conftest import ROOT
 
+MATHS = "solve_coefficients|sigma_rel_to_gamma|gamma_to_sigma_rel"
 # An old name (a regular expression) and what a reader should find instead.
 RETIRED = {
     r"\bcomponents[./][A-Za-z_]": "copy_correct (copy_correct.lightning, copy_correct.probes)",
@@ -24,6 +25,9 @@ RETIRED = {
     r"\brecipes[./](?:digits|image_folder)\b": "recipes/data/",
     r"\b(?:PostHocEMA|EMA|GraphRetention)Callback\b": "PostHocEMASnapshots, EMAWeights, GraphRetentionCheck",
     r"\b(?:posthoc_)?ema_callback\b": "copy_correct/lightning/ema_weights.py, posthoc_ema_snapshots.py",
+    # The maths helpers left the top level for their submodule (synthesis_coefficients came up beside synthesize).
+    rf"\bcopy_correct\.(?:{MATHS})\b": "copy_correct.power_function",
+    rf"\bfrom\s+copy_correct\s+import\s+(?:\([\w\s,]*|[\w ,]*)\b(?:{MATHS})\b": "copy_correct.power_function",
 }
 TEXT = (".py", ".md", ".yaml", ".yml", ".toml", ".sh", ".txt", ".cfg", ".ini", ".js", ".css", ".html")
 THIS_FILE = Path(__file__).resolve().relative_to(ROOT).as_posix()
@@ -70,6 +74,9 @@ CONTROLS = [
     ("recipes/x.py", "from copy_correct.lightning import EMACallback\n"),
     ("conf/recipe/x.yaml", "_target_: copy_correct.lightning.GraphRetentionCallback\n"),
     ("docs/x.md", "[the callback](../copy_correct/lightning/posthoc_ema_callback.py)\n"),
+    ("tests/x.py", "from copy_correct import PowerEMA, solve_coefficients\n"),
+    ("tests/x.py", "from copy_correct import (\n    EMA,\n    sigma_rel_to_gamma,\n)\n"),
+    ("docs/x.md", "::: copy_correct.gamma_to_sigma_rel\n"),
 ]
 
 
@@ -85,5 +92,6 @@ def test_control_the_new_names_and_the_plain_word_pass(tmp_path: Path) -> None:
     (tmp_path / "x.md").write_text(
         "Small components whose copies are proven. `from copy_correct import EMA`; `recipes/data/digits.py`;\n"
         "`python -m benchmarks.ema`; [a test](tests/parts/test_ema.py); `tests/workers/ddp_ema.py`.\n"
+        "`from copy_correct.power_function import sigma_rel_to_gamma, solve_coefficients`; `synthesis_coefficients`.\n"
     )
     assert stale_names(tmp_path, ["x.md"]) == []

@@ -15,13 +15,14 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from copy_correct import PowerEMA, solve_coefficients, synthesize
-from copy_correct.posthoc_ema import SNAPSHOT_PATTERNS, load_snapshot, snapshot_paths, synthesis_coefficients
+from copy_correct import PowerEMA, synthesis_coefficients, synthesize
+from copy_correct.posthoc_ema import SNAPSHOT_PATTERNS, load_snapshot, snapshot_paths
 from copy_correct.power_function import (
     gamma_to_sigma_rel,
     impulse_response,
     power_function_correlation,
     sigma_rel_to_gamma,
+    solve_coefficients,
 )
 from copy_correct.probes import CopyAudit, MemoryProbe, shares_storage
 from tests.conftest import DEVICES

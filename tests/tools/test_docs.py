@@ -24,7 +24,7 @@ DOCS = ROOT / "docs"
 # The API page's sections, one per layer of the package, each listing every name its package exports.
 LAYERS = {"Tensor parts": copy_correct, "Lightning adapters": copy_correct.lightning, "Probes": copy_correct.probes}
 # Modules of a layer documented whole (their ``__all__`` under the module's name): imported as ``from MODULE import``
-SUBMODULES = {"Tensor parts": ("decay_schedule", "peer_schedules", "peer_states")}
+SUBMODULES = {"Tensor parts": ("decay_schedule", "peer_schedules", "peer_states", "power_function")}
 
 # Every line range the docs quote (`--8<-- "PATH:FIRST:LAST"`), with the text its first and last lines must hold
 # (stripped): an edit above the quoted code moves it, and this names the quote instead of letting it drift.
@@ -99,6 +99,39 @@ def test_the_nav_has_a_page_per_recipe_and_the_api_page_every_name_in_its_group(
         names = [f"{package.__name__}.{name}" for name in package.__all__]
         names += [f"{package.__name__}.{module}" for module in SUBMODULES.get(heading, ())]
         assert sorted(entries[heading]) == sorted(names), heading
+
+
+# The layout guide's layer table: each layer's row (its first cell) and the package whose every public name it lists.
+TABLE_ROWS = {"tensor parts": copy_correct, "Lightning adapters": copy_correct.lightning, "probes": copy_correct.probes}
+
+
+def names_missing_from_the_layer_table(layout: str) -> list[str]:
+    """``package.name`` for each public name (``__all__``) that its row of the layout guide's layer table does not
+    show as code (`` `name` ``), or ``package: no row`` for a row that is not there."""
+    rows = {line.split("|")[1].strip(): line for line in layout.splitlines() if line.startswith("| ")}
+    missing = []
+    for layer, package in TABLE_ROWS.items():
+        if layer not in rows:
+            missing.append(f"{package.__name__}: no row")
+            continue
+        missing += [f"{package.__name__}.{name}" for name in package.__all__ if f"`{name}`" not in rows[layer]]
+    return missing
+
+
+def test_the_layout_guide_lists_every_public_name_in_its_layer() -> None:
+    assert names_missing_from_the_layer_table((DOCS / "guides" / "layout.md").read_text()) == []
+
+
+def test_control_a_public_name_dropped_from_the_layer_table_is_reported() -> None:
+    layout = (DOCS / "guides" / "layout.md").read_text()
+    assert "`PowerEMA`, " in layout and "`PostHocEMASnapshots`, " in layout
+    dropped = layout.replace("`PowerEMA`, ", "").replace("`PostHocEMASnapshots`, ", "")
+    assert names_missing_from_the_layer_table(dropped) == [
+        "copy_correct.PowerEMA",
+        "copy_correct.lightning.PostHocEMASnapshots",
+    ]
+    no_probes = "\n".join(line for line in layout.splitlines() if not line.startswith("| probes "))
+    assert names_missing_from_the_layer_table(no_probes) == ["copy_correct.probes: no row"]
 
 
 def quoted_range_problems(root: Path) -> list[str]:
