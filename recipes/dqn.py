@@ -32,18 +32,35 @@ lands on the checkpoint's observation exactly (checked) because gymnasium enviro
 given their generator. Where an episode is one life of a game (Atari), the replay starts at the game's reset and
 repeats the lives lost since. A checkpoint of a run on another environment is refused.
 
+The environment comes from ``make_env`` (``recipes/dqn_env.py``), the run's ``return_curve.png`` from
+``plot_returns`` (``recipes/dqn_plot.py``); this file is the algorithm, its methods in the order Lightning calls them.
+
+Callbacks (``conf/callbacks/default.yaml``'s, which every recipe has; ``conf/recipe/dqn.yaml`` sets the checkpoints
+to every round):
+  * ``ResumeState`` (``copy_correct/lightning/resume.py``): copies of torch's, NumPy's and Python's global generators'
+    states in every checkpoint, put back when a fit resumes. DQN draws from generators of its own (``rng``,
+    ``sampler``, the environment's), which ``on_save_checkpoint`` here keeps; its loader is a clock
+    (``batch_size=None``), with no order for ``resume_data_order.py`` to record.
+  * ``IsolatedEvaluation`` (``copy_correct/lightning/isolated_evaluation.py``) would undo a validation's draws; this
+    recipe runs none (``limit_val_batches: 0``): its greedy evaluation plays inside ``training_step``, on an
+    environment and seeds of its own, and draws nothing from ``rng``.
+  * ``ModelCheckpoint`` and ``LastCheckpoint`` (``copy_correct/lightning/last_checkpoint.py``), after every round,
+    through ``AtomicCheckpointIO`` (``atomic_checkpoint.py``): each storage, the replay buffer's too, streamed once
+    into a file beside the target and renamed over it; no copy of the buffer in memory.
+  * ``NonFiniteStop`` (``copy_correct/lightning/nonfinite_stop.py``): the step returns no loss, so it reads the
+    weights (never copies them) every 50 rounds and before each save. ``RunSummary``, ``StaleTemporaries``, the
+    progress bar: read only.
+
 Change first: ``QNetwork`` and the environment (``env.id``); the defaults follow well-known CartPole settings, and
 ``conf/dqn/atari.yaml`` CleanRL's ``dqn_atari.py`` (with the Nature network, ``recipes/atari.py``).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
 from typing import Any
 
-import gymnasium as gym
 import lightning.pytorch as pl
 import numpy as np
 import torch
@@ -53,9 +70,12 @@ from torch.utils.data import DataLoader
 
 from copy_correct import CheckpointMismatch, FrameReplayBuffer, ReplayBuffer, hard_update, make_target, soft_update
 from recipes.allocation import allocated
-from recipes.atari import NatureQNetwork, game_goes_on, is_atari, make_atari_env, start_a_game_at_the_next_reset
+from recipes.atari import NatureQNetwork, game_goes_on, start_a_game_at_the_next_reset
+from recipes.dqn_env import is_frame_stack, make_env
+from recipes.dqn_plot import plot_returns
+from recipes.model_setup import at_least_one, check_args
 
-__all__ = ["DQN", "QNetwork", "make_env"]
+__all__ = ["DQN", "QNetwork"]
 
 NETWORKS = ("auto", "mlp", "nature_cnn")
 REPLAYS = ("auto", "whole", "frames")
@@ -116,27 +136,24 @@ class DQN(pl.LightningModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        for name, value, ok, allowed in [
+        check_args([
             ("gamma", gamma, 0.0 <= gamma <= 1.0, "in [0, 1]"),
             ("tau", tau, 0.0 < tau <= 1.0, "in (0, 1]"),
             ("lr", lr, lr > 0.0, "> 0"),
             ("exploration_fraction", exploration_fraction, 0.0 < exploration_fraction <= 1.0, "in (0, 1]"),
             ("exploration_final_eps", exploration_final_eps, 0.0 <= exploration_final_eps <= 1.0, "in [0, 1]"),
-        ]:
-            if not ok:
-                raise ValueError(f"model.{name} must be {allowed}, got {value}")
-        for name, value in dict(
+        ])  # fmt: skip
+        at_least_one(
             hidden=hidden, batch_size=batch_size, buffer_size=buffer_size, train_freq=train_freq,
             gradient_steps=gradient_steps, target_update_every=target_update_every, total_env_steps=total_env_steps,
             eval_every=eval_every, eval_episodes=eval_episodes,
-        ).items():  # fmt: skip
-            if value < 1:
-                raise ValueError(f"model.{name} must be >= 1, got {value}")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"model.max_grad_norm must be > 0 or null (no clipping), got {max_grad_norm}")
-        for name, value, allowed in (("network", network, NETWORKS), ("replay", replay, REPLAYS)):
-            if value not in allowed:
-                raise ValueError(f"model.{name} must be one of {', '.join(allowed)}, got {value!r}")
+        )  # fmt: skip
+        clip = max_grad_norm is None or max_grad_norm > 0
+        check_args([
+            ("max_grad_norm", max_grad_norm, clip, "> 0 or null (no clipping)"),
+            ("network", repr(network), network in NETWORKS, f"one of {', '.join(NETWORKS)}"),
+            ("replay", repr(replay), replay in REPLAYS, f"one of {', '.join(REPLAYS)}"),
+        ])  # fmt: skip
         self.save_hyperparameters()
         self.automatic_optimization = False
         self.env, self.eval_env = make_env(env_id), make_env(env_id)
@@ -178,139 +195,6 @@ class DQN(pl.LightningModule):
         if self.trainer.world_size > 1:
             raise ValueError("recipe dqn runs in one process: use trainer=default, cpu or gpu, not ddp or fsdp")
 
-    def train_dataloader(self) -> DataLoader:
-        rounds = math.ceil(self.hparams.total_env_steps / self.hparams.train_freq)
-        return DataLoader(range(rounds), batch_size=None)  # a clock: one item per collect-then-train round
-
-    def epsilon(self) -> float:
-        h = self.hparams
-        progress = min(1.0, self.env_steps / max(1.0, h.exploration_fraction * h.total_env_steps))
-        return 1.0 + progress * (h.exploration_final_eps - 1.0)
-
-    def act(self, obs: np.ndarray, epsilon: float) -> int:
-        """Epsilon-greedy, for training: the coin and the random action come from the training generator ``rng``."""
-        if self.rng.random() < epsilon:
-            return int(self.rng.integers(self.env.action_space.n))
-        return self.greedy_action(obs)
-
-    def greedy_action(self, obs: np.ndarray) -> int:
-        """The action of the largest Q-value; draws nothing."""
-        with torch.no_grad():
-            values = self.q(torch.from_numpy(obs).to(self.device).unsqueeze(0))
-        return int(values.argmax(dim=1).item())  # the environment runs on the CPU: one sync per step
-
-    def training_step(self, batch: Any, batch_idx: int) -> None:
-        h = self.hparams
-        evaluations_due = self.env_steps // h.eval_every
-        for _ in range(h.train_freq):
-            self.collect_one_step()
-        if len(self.buffer) >= h.learning_starts:
-            self.learn()
-        # Evaluated after this round's updates: the checkpoint written at this step's end holds the very policy
-        # that earned the score (mid-round, the saved weights would be a round of updates past it).
-        if self.env_steps // h.eval_every > evaluations_due:
-            self.evaluate()
-
-    def learn(self) -> None:
-        h = self.hparams
-        optimizer = self.optimizers()
-        for _ in range(h.gradient_steps):
-            loss = self.td_loss(self.buffer.sample(h.batch_size, generator=self.sampler))
-            optimizer.zero_grad(set_to_none=True)
-            self.manual_backward(loss)
-            if h.max_grad_norm is not None:
-                nn.utils.clip_grad_norm_(self.q.parameters(), h.max_grad_norm)
-            optimizer.step()
-            self.updates += 1
-            if self.updates % h.target_update_every == 0:
-                if h.tau < 1.0:
-                    soft_update(self.target, self.q, h.tau)
-                else:
-                    hard_update(self.target, self.q)
-        self.log("train/td_loss", loss.detach(), prog_bar=True)
-        self.log("train/epsilon", self.epsilon())
-
-    def collect_one_step(self) -> None:
-        action = self.act(self.obs, self.epsilon())
-        next_obs, reward, terminated, truncated, _ = self.env.step(action)
-        self.episode_actions.append(action)
-        # Copy decision: the buffer copies the arrays into its own storage; we keep no reference to them.
-        self.buffer.add(self.obs, action, reward, next_obs, terminated, truncated)
-        self.env_steps += 1
-        self.episode_return += float(reward)
-        self.obs = next_obs
-        if terminated or truncated:
-            self.curve.append((self.env_steps, self.episode_return))
-            self.log("train/episode_return", self.episode_return)
-            self.episode_return = 0.0
-            if game_goes_on(self.env):  # a life lost: the game, and what a resume replays of it, go on
-                self.episode_actions.append(RESET)
-            else:
-                self.episode_start = self.env.np_random.bit_generator.state
-                self.episode_actions.clear()
-            self.obs, _ = self.env.reset()
-
-    def td_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-        with torch.no_grad():  # Copy decision: no graph through the target, so nothing of it is kept
-            next_value = self.target(batch["next_obs"]).max(dim=1).values
-            # truncation is not termination: a truncated transition still bootstraps
-            target = batch["reward"] + self.hparams.gamma * (~batch["terminated"]).float() * next_value
-        value = self.q(batch["obs"]).gather(1, batch["action"].unsqueeze(1)).squeeze(1)
-        return F.smooth_l1_loss(value, target)
-
-    def greedy_return(self) -> float:
-        """Mean return of ``eval_episodes`` greedy episodes, on the evaluation environment's fixed seeds.
-
-        Evaluation never moves training: the episodes play on an environment of their own, reset from seeds of their
-        own; the actions draw nothing from the training generator ``rng`` (an ``act(obs, epsilon=0.0)`` would still
-        toss its coin there, and every later exploration would change with how often the run evaluates); and the
-        Q-network plays in eval mode, so a network with BatchNorm or dropout neither updates its statistics nor draws
-        masks here. It goes back to the mode it was in."""
-        returns, training = [], self.q.training
-        self.q.eval()
-        try:
-            for episode in range(self.hparams.eval_episodes):
-                obs, _ = self.eval_env.reset(seed=self.hparams.seed + 10_000 + episode)
-                total, done = 0.0, False
-                while not done:
-                    obs, reward, terminated, truncated, _ = self.eval_env.step(self.greedy_action(obs))
-                    total += float(reward)
-                    done = terminated or truncated
-                returns.append(total)
-        finally:
-            self.q.train(training)
-        return float(np.mean(returns))
-
-    def evaluate(self) -> None:
-        mean = self.greedy_return()
-        self.evals.append((self.env_steps, mean))
-        best = max(value for _, value in self.evals)
-        self.log("eval/return", mean, prog_bar=True)
-        self.log("eval/best_return", best)
-        self.log("env_steps", float(self.env_steps))
-        threshold = self.reward_threshold
-        solved = [step for step, value in self.evals if threshold is not None and value >= threshold]
-        if solved:
-            self.log("eval/solved_at_step", float(solved[0]))
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.q.parameters(), lr=self.hparams.lr, fused=True)  # in place, no temporaries
-
-    def on_train_end(self) -> None:
-        if self.trainer.is_global_zero:
-            path = Path(self.trainer.default_root_dir) / "return_curve.png"
-            plot_returns(self.curve, self.evals, path, self.hparams.env_id, self.reward_threshold)
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["replay_buffer"] = self.buffer.state_dict()
-        checkpoint["dqn"] = {
-            "env_steps": self.env_steps, "updates": self.updates, "episode_return": self.episode_return,
-            "rng": self.rng.bit_generator.state, "sampler": self.sampler.get_state(), "obs": torch.tensor(self.obs),
-            "episode_start": self.episode_start, "episode_actions": torch.tensor(self.episode_actions).long(),
-            "curve": self.curve, "evals": self.evals, "env_id": self.hparams.env_id,
-        }  # fmt: skip
-
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint["dqn"]
         saved_env = state.get("env_id", "CartPole-v1")  # checkpoints written before env.id existed are CartPole's
@@ -345,74 +229,135 @@ class DQN(pl.LightningModule):
             )
         self.episode_start, self.episode_actions = start, actions
 
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.q.parameters(), lr=self.hparams.lr, fused=True)  # in place, no temporaries
 
-def plot_returns(
-    curve: list[tuple[int, float]],
-    evals: list[tuple[int, float]],
-    path: Path,
-    env_id: str,
-    threshold: float | None = None,
-) -> None:
-    """Training episode returns and greedy evaluation returns against environment steps, as a PNG titled with
-    ``env_id``; ``threshold`` (the environment's reward threshold), when given, is a dashed line."""
-    import matplotlib
+    def train_dataloader(self) -> DataLoader:
+        rounds = math.ceil(self.hparams.total_env_steps / self.hparams.train_freq)
+        return DataLoader(range(rounds), batch_size=None)  # a clock: one item per collect-then-train round
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        h = self.hparams
+        evaluations_due = self.env_steps // h.eval_every
+        for _ in range(h.train_freq):
+            self.collect_one_step()
+        if len(self.buffer) >= h.learning_starts:
+            self.learn()
+        # Evaluated after this round's updates: the checkpoint written at this step's end holds the very policy
+        # that earned the score (mid-round, the saved weights would be a round of updates past it).
+        if self.env_steps // h.eval_every > evaluations_due:
+            self.evaluate()
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if curve:
-        steps, returns = zip(*curve, strict=True)
-        ax.plot(steps, returns, lw=0.8, alpha=0.6, label="training episodes (epsilon-greedy)")
-    if evals:
-        steps, returns = zip(*evals, strict=True)
-        ax.plot(steps, returns, "o-", label="greedy evaluation (mean of episodes)")
-    if threshold is not None:
-        ax.axhline(threshold, color="grey", ls="--", lw=0.8, label=f"reward threshold {threshold:g}")
-    ax.set_xlabel("environment steps")
-    ax.set_ylabel("episode return")
-    ax.set_title(f"DQN on {env_id}")
-    ax.legend(loc="best", framealpha=0.9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    def collect_one_step(self) -> None:
+        action = self.act(self.obs, self.epsilon())
+        next_obs, reward, terminated, truncated, _ = self.env.step(action)
+        self.episode_actions.append(action)
+        # Copy decision: the buffer copies the arrays into its own storage; we keep no reference to them.
+        self.buffer.add(self.obs, action, reward, next_obs, terminated, truncated)
+        self.env_steps += 1
+        self.episode_return += float(reward)
+        self.obs = next_obs
+        if terminated or truncated:
+            self.curve.append((self.env_steps, self.episode_return))
+            self.log("train/episode_return", self.episode_return)
+            self.episode_return = 0.0
+            if game_goes_on(self.env):  # a life lost: the game, and what a resume replays of it, go on
+                self.episode_actions.append(RESET)
+            else:
+                self.episode_start = self.env.np_random.bit_generator.state
+                self.episode_actions.clear()
+            self.obs, _ = self.env.reset()
 
+    def epsilon(self) -> float:
+        h = self.hparams
+        progress = min(1.0, self.env_steps / max(1.0, h.exploration_fraction * h.total_env_steps))
+        return 1.0 + progress * (h.exploration_final_eps - 1.0)
 
-# Environments with Discrete actions and Box observations that gymnasium registers, named in refusals.
-SUGGESTED_ENVS = "CartPole-v1, Acrobot-v1, MountainCar-v0 or LunarLander-v3 (needs gymnasium[box2d])"
-LISTING = "python -c 'import gymnasium; gymnasium.pprint_registry()' lists every id"
+    def act(self, obs: np.ndarray, epsilon: float) -> int:
+        """Epsilon-greedy, for training: the coin and the random action come from the training generator ``rng``."""
+        if self.rng.random() < epsilon:
+            return int(self.rng.integers(self.env.action_space.n))
+        return self.greedy_action(obs)
 
+    def greedy_action(self, obs: np.ndarray) -> int:
+        """The action of the largest Q-value; draws nothing."""
+        with torch.no_grad():
+            values = self.q(torch.from_numpy(obs).to(self.device).unsqueeze(0))
+        return int(values.argmax(dim=1).item())  # the environment runs on the CPU: one sync per step
 
-def is_frame_stack(space: gym.Space) -> bool:
-    """Whether observations are stacks of uint8 frames (``(stack, height, width)``), as Atari's are."""
-    return isinstance(space, gym.spaces.Box) and space.dtype == np.uint8 and len(space.shape) == 3
+    def learn(self) -> None:
+        h = self.hparams
+        optimizer = self.optimizers()
+        for _ in range(h.gradient_steps):
+            loss = self.td_loss(self.buffer.sample(h.batch_size, generator=self.sampler))
+            optimizer.zero_grad(set_to_none=True)
+            self.manual_backward(loss)
+            if h.max_grad_norm is not None:
+                nn.utils.clip_grad_norm_(self.q.parameters(), h.max_grad_norm)
+            optimizer.step()
+            self.updates += 1
+            if self.updates % h.target_update_every == 0:
+                if h.tau < 1.0:
+                    soft_update(self.target, self.q, h.tau)
+                else:
+                    hard_update(self.target, self.q)
+        self.log("train/td_loss", loss.detach(), prog_bar=True)
+        self.log("train/epsilon", self.epsilon())
 
+    def td_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        with torch.no_grad():  # Copy decision: no graph through the target, so nothing of it is kept
+            next_value = self.target(batch["next_obs"]).max(dim=1).values
+            # truncation is not termination: a truncated transition still bootstraps
+            target = batch["reward"] + self.hparams.gamma * (~batch["terminated"]).float() * next_value
+        value = self.q(batch["obs"]).gather(1, batch["action"].unsqueeze(1)).squeeze(1)
+        return F.smooth_l1_loss(value, target)
 
-def make_env(env_id: str) -> gym.Env:
-    """``gym.make(env_id)`` for DQN (an ``ALE/`` game wrapped as CleanRL wraps it, ``recipes/atari.py``): a
-    ``ValueError`` of one line naming ``model.env_id`` (the config's ``env.id``) when gymnasium cannot make it, its
-    action space is not ``Discrete`` from 0 (a DQN picks the action of the largest Q-value, by index) or its
-    observation space is not a ``Box``."""
-    where = f"model.env_id={env_id} (env.id)"
-    if is_atari(env_id) and importlib.util.find_spec("ale_py") is None:
-        raise ValueError(f"{where} needs ale-py, which plays the Atari games: pip install -e '.[atari]'")
-    try:
-        env = make_atari_env(env_id) if is_atari(env_id) else gym.make(env_id)
-    except (gym.error.Error, ModuleNotFoundError) as err:
-        said = " ".join(str(err).split())
-        raise ValueError(f"{where} cannot be made: {said.rstrip('.')}; try {SUGGESTED_ENVS} ({LISTING})") from err
-    actions, observations = env.action_space, env.observation_space
-    if not isinstance(actions, gym.spaces.Discrete):
-        kind = "a continuous" if isinstance(actions, gym.spaces.Box) else "a non-Discrete"
-        problem = f"has {kind} action space ({actions}); recipe dqn needs a Discrete one"
-        problem += " (a DQN picks the action of the largest Q-value)"
-    elif actions.start != 0:
-        problem = f"numbers its actions from {actions.start} ({actions}); recipe dqn takes the Q-network's index"
-        problem += " as the action, so they must start at 0"
-    elif not isinstance(observations, gym.spaces.Box):
-        problem = f"has {observations} observations; recipe dqn needs a Box (an array the Q-network flattens)"
-    else:
-        return env
-    env.close()
-    raise ValueError(" ".join(f"{where} {problem}: try {SUGGESTED_ENVS}".split()))
+    def evaluate(self) -> None:
+        mean = self.greedy_return()
+        self.evals.append((self.env_steps, mean))
+        best = max(value for _, value in self.evals)
+        self.log("eval/return", mean, prog_bar=True)
+        self.log("eval/best_return", best)
+        self.log("env_steps", float(self.env_steps))
+        threshold = self.reward_threshold
+        solved = [step for step, value in self.evals if threshold is not None and value >= threshold]
+        if solved:
+            self.log("eval/solved_at_step", float(solved[0]))
+
+    def greedy_return(self) -> float:
+        """Mean return of ``eval_episodes`` greedy episodes, on the evaluation environment's fixed seeds.
+
+        Evaluation never moves training: the episodes play on an environment of their own, reset from seeds of their
+        own; the actions draw nothing from the training generator ``rng`` (an ``act(obs, epsilon=0.0)`` would still
+        toss its coin there, and every later exploration would change with how often the run evaluates); and the
+        Q-network plays in eval mode, so a network with BatchNorm or dropout neither updates its statistics nor draws
+        masks here. It goes back to the mode it was in."""
+        returns, training = [], self.q.training
+        self.q.eval()
+        try:
+            for episode in range(self.hparams.eval_episodes):
+                obs, _ = self.eval_env.reset(seed=self.hparams.seed + 10_000 + episode)
+                total, done = 0.0, False
+                while not done:
+                    obs, reward, terminated, truncated, _ = self.eval_env.step(self.greedy_action(obs))
+                    total += float(reward)
+                    done = terminated or truncated
+                returns.append(total)
+        finally:
+            self.q.train(training)
+        return float(np.mean(returns))
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["replay_buffer"] = self.buffer.state_dict()
+        checkpoint["dqn"] = {
+            "env_steps": self.env_steps, "updates": self.updates, "episode_return": self.episode_return,
+            "rng": self.rng.bit_generator.state, "sampler": self.sampler.get_state(), "obs": torch.tensor(self.obs),
+            "episode_start": self.episode_start, "episode_actions": torch.tensor(self.episode_actions).long(),
+            "curve": self.curve, "evals": self.evals, "env_id": self.hparams.env_id,
+        }  # fmt: skip
+
+    def on_train_end(self) -> None:
+        if self.trainer.is_global_zero:
+            path = Path(self.trainer.default_root_dir) / "return_curve.png"
+            plot_returns(self.curve, self.evals, path, self.hparams.env_id, self.reward_threshold)

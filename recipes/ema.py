@@ -3,19 +3,37 @@
     python train.py +recipe=ema                                       # the 8x8 digits, an MLP
     python train.py +recipe=ema data=images data.root=DIR             # your labelled images, a small CNN
 
-What it shows:
-  * ``EMAWeights`` keeps an exponential moving average of every parameter and BatchNorm statistic in
-    tensors of its own: no deep copy of the module, nothing added to ``parameters()`` or the optimiser.
-  * Each update is one in-place ``_foreach_lerp_`` per dtype group under ``no_grad``: no allocation,
-    no host sync, no graph.
-  * Every validation epoch runs twice, with the EMA weights (``val/acc_ema``) and the live ones
-    (``val/acc``); the swap is in place and restores the live weights bit for bit.
-  * The optimiser is deliberately noisy (large constant learning rate, small batches), the setting in
-    which averaging pays: ``summary.json`` holds both accuracies.
+What it shows: the optimiser is deliberately noisy (large constant learning rate, small batches), the setting in
+which averaging pays, and every validation runs twice, with the EMA weights (``val/acc_ema``) and the live ones
+(``val/acc``): ``summary.json`` holds both accuracies. This module holds no EMA code: the EMA is the callback
+``callbacks.ema`` in ``conf/recipe/ema.yaml`` attaches, ``EMAWeights`` (``copy_correct/lightning/ema_weights.py``),
+and it enters in four of that class's methods, in the order Lightning calls them:
+  * ``on_fit_start``: ``EMA(pl_module, decay=...)`` (``copy_correct/ema.py``), a shadow of every parameter and
+    BatchNorm statistic in tensors of its own: no deep copy of the module, nothing added to ``parameters()`` or the
+    optimiser.
+  * ``on_train_batch_end``, after each optimizer step: ``ema.update(pl_module)``, one in-place ``_foreach_lerp_`` per
+    dtype group under ``no_grad``: no allocation, no host sync, no graph.
+  * ``_evaluate_with_ema``, around each validation loop's ``run``: ``with ema.average_weights(pl_module): run()``
+    under suffixed names, then ``run()``: the swap is in place and restores the live weights bit for bit.
+  * ``on_save_checkpoint``: the average becomes the checkpoint's ``state_dict`` (``load_from_checkpoint`` gives the
+    averaged model), the live weights go into the callback's state, copied back in place when a fit resumes.
 
-Sharded (``python train.py +recipe=ema trainer=fsdp``): ``configure_model`` shards the network with FSDP2, so each
-process holds 1/N of every weight, and ``EMAWeights`` keeps the average of its own shards only, 1/N of the shadow,
-updated with no collective.
+Sharded (``python train.py +recipe=ema trainer=fsdp``): ``configure_model`` shards the network with FSDP2
+(``recipes/model_setup.py``), so each process holds 1/N of every weight, and ``EMAWeights`` keeps the average of its
+own shards only, 1/N of the shadow, updated with no collective.
+
+The other callbacks are ``conf/callbacks/default.yaml``'s, which every recipe has:
+  * ``IsolatedEvaluation`` (``copy_correct/lightning/isolated_evaluation.py``): each validation's draws from torch's,
+    NumPy's and Python's generators, both passes', are undone when it ends; the batches after it are not those of a
+    plain Lightning run, and do not depend on how often the run validates or on ``evaluate``.
+  * ``ResumeState`` (``copy_correct/lightning/resume.py``, ``resume_data_order.py``): copies of the generators' states
+    and a record of the training order (a sampler between the loader and its own, drawing nothing) in every
+    checkpoint, so a resumed run draws and batches as the uninterrupted one.
+  * ``NonFiniteStop`` (``copy_correct/lightning/nonfinite_stop.py``): each loss copied on its device into a tensor
+    made once, the weights read, never copied, every 50 batches and before each save.
+  * ``ModelCheckpoint`` and ``LastCheckpoint`` (``copy_correct/lightning/last_checkpoint.py``) save through
+    ``AtomicCheckpointIO`` (``atomic_checkpoint.py``): each storage, the shadow's too, streamed into a file beside the
+    target and renamed over it. ``RunSummary``, ``StaleTemporaries``, the progress bar: read only.
 
 The network follows the data (``model.network``, ``recipes/networks.py``): an MLP with BatchNorm for the 8x8 digits,
 a small CNN for square images whose side is 4, 5, 6 or 7 times a power of two, 16 or more; ``train.py`` fills
@@ -34,9 +52,9 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
 from torchmetrics.classification import MulticlassAccuracy
 
+from recipes.model_setup import at_least_one, check_args, check_classes, shard_layers
 from recipes.networks import ConvClassifier, MLPClassifier, image_shape_of, pick_network
 
 __all__ = ["NoisyClassifier"]
@@ -67,15 +85,9 @@ class NoisyClassifier(pl.LightningModule):
                 f"recipe ema classifies, and the data has {'no labels' if num_classes is None else '1 class'}: put "
                 "each class's images in a subfolder of data.root (two classes at least)"
             )
-        if classes is not None and len(classes) != num_classes:
-            raise ValueError(f"model.classes must name model.num_classes={num_classes} classes, got {len(classes)}")
-        for name, value in {"hidden": hidden, "conv_width": conv_width}.items():
-            if value < 1:
-                raise ValueError(f"model.{name} must be >= 1, got {value}")
-        if not lr > 0:
-            raise ValueError(f"model.lr must be > 0, got {lr}")
-        if not 0 <= momentum < 1:
-            raise ValueError(f"model.momentum must be in [0, 1), got {momentum}")
+        check_classes(classes, num_classes, f"model.num_classes={num_classes}")
+        at_least_one(hidden=hidden, conv_width=conv_width)
+        check_args([("lr", lr, lr > 0, "> 0"), ("momentum", momentum, 0 <= momentum < 1, "in [0, 1)")])
         self.save_hyperparameters()
         if pick_network(network, shape) == "conv":
             self.net: nn.Module = ConvClassifier(shape, conv_width, num_classes)
@@ -83,22 +95,21 @@ class NoisyClassifier(pl.LightningModule):
             self.net = MLPClassifier(shape, hidden, num_classes, batch_norm=True)
         self.val_acc = MulticlassAccuracy(num_classes, average="micro")
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
     def configure_model(self) -> None:
         """Under ``trainer=fsdp`` (Lightning's ``ModelParallelStrategy``, which gives the module a device mesh):
         shard the network with FSDP2. Under any other trainer there is no mesh and nothing changes."""
-        if self.device_mesh is None or isinstance(self.net, FSDPModule):  # not sharded, or sharded already
-            return
-        mesh = self.device_mesh["data_parallel"]
         # Copy decision: each Linear or Conv2d is a unit of its own, gathered for its forward and freed after it; the
         # root keeps the rest (BatchNorm's weights). Every rank keeps 1/N of each weight, and EMAWeights 1/N of the
         # average: the average of a shard is the shard of the average, so updating it sends nothing.
-        for layer in self.net.modules():
-            if isinstance(layer, (nn.Linear, nn.Conv2d)):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(self.net, mesh=mesh)
+        shard_layers(self, self.net, (nn.Linear, nn.Conv2d))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        sharded = self.device_mesh is not None  # DTensor parameters have no fused SGD kernel: foreach over the shards
+        h = self.hparams
+        return torch.optim.SGD(self.parameters(), lr=h.lr, momentum=h.momentum, fused=not sharded, foreach=sharded)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -114,8 +125,3 @@ class NoisyClassifier(pl.LightningModule):
         self.val_acc.update(logits, y)
         self.log("val/loss", F.cross_entropy(logits, y), prog_bar=True, sync_dist=True)
         self.log("val/acc", self.val_acc, prog_bar=True)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        sharded = self.device_mesh is not None  # DTensor parameters have no fused SGD kernel: foreach over the shards
-        h = self.hparams
-        return torch.optim.SGD(self.parameters(), lr=h.lr, momentum=h.momentum, fused=not sharded, foreach=sharded)

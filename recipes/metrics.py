@@ -11,10 +11,26 @@ What it shows:
     callback undetached.
   * No ``.item()`` in the step: that would make the CPU wait for the device every batch.
   * The optimizer is fused AdamW: its step allocates nothing.
-  * ``GraphRetentionCheck`` (enabled in ``conf/recipe/metrics.yaml``) fails the run the first step any of
-    this goes wrong, naming where the graph is held.
+  * ``GraphRetentionCheck`` fails the run the first step any of this goes wrong, naming where the graph is held.
 
-Sharded (``trainer=fsdp``): ``configure_model`` shards the network with FSDP2; nothing else changes.
+Sharded (``trainer=fsdp``): ``configure_model`` shards the network with FSDP2 (``recipes/model_setup.py``); nothing
+else changes.
+
+Callbacks (``conf/recipe/metrics.yaml``, then ``conf/callbacks/default.yaml``'s, which every recipe has):
+  * ``GraphRetentionCheck`` (``copy_correct/lightning/graph_guard.py``): after every training batch, searches the
+    step's outputs, the module and the metric states for a tensor holding a graph and fails the run naming it; it
+    reads only, detaches nothing.
+  * ``IsolatedEvaluation`` (``copy_correct/lightning/isolated_evaluation.py``): each validation's draws from torch's,
+    NumPy's and Python's generators (here the validation loader's base seed) are undone when it ends, so the random
+    state training goes on with is not a plain Lightning run's, and does not depend on how often the run validates.
+  * ``ResumeState`` (``copy_correct/lightning/resume.py``, ``resume_data_order.py``): copies of the generators' states
+    and a record of the training loader's order (a sampler put between the loader and its own, drawing nothing) in
+    every checkpoint; a resumed run draws and batches as the uninterrupted one.
+  * ``NonFiniteStop`` (``copy_correct/lightning/nonfinite_stop.py``): each loss copied on its device into a tensor
+    made once; the weights read, never copied, every 50 batches and before each save.
+  * ``ModelCheckpoint`` and ``LastCheckpoint`` (``copy_correct/lightning/last_checkpoint.py``), written by
+    ``AtomicCheckpointIO`` (``atomic_checkpoint.py``): each storage streamed into a file beside the target, renamed
+    over it; no copy of the checkpoint in memory. ``RunSummary``, ``StaleTemporaries``, the progress bar: read only.
 
 Change first: the network in ``__init__`` and the metrics you need.
 """
@@ -27,9 +43,10 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
 from torchmetrics import MeanMetric
 from torchmetrics.classification import MulticlassAccuracy, MulticlassAUROC
+
+from recipes.model_setup import at_least_one, check_args, check_classes, shard_layers
 
 __all__ = ["DigitsClassifier"]
 
@@ -51,14 +68,9 @@ class DigitsClassifier(pl.LightningModule):
         input_format: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        if classes is not None and len(classes) != NUM_CLASSES:
-            raise ValueError(f"model.classes must name {NUM_CLASSES} classes, got {len(classes)}")
-        if hidden < 1:
-            raise ValueError(f"model.hidden must be >= 1, got {hidden}")
-        if not lr > 0:
-            raise ValueError(f"model.lr must be > 0, got {lr}")
-        if weight_decay < 0:
-            raise ValueError(f"model.weight_decay must be >= 0, got {weight_decay}")
+        check_classes(classes, NUM_CLASSES)
+        at_least_one(hidden=hidden)
+        check_args([("lr", lr, lr > 0, "> 0"), ("weight_decay", weight_decay, weight_decay >= 0, ">= 0")])
         self.save_hyperparameters()
         self.net = nn.Sequential(
             nn.Linear(NUM_FEATURES, hidden),
@@ -72,19 +84,20 @@ class DigitsClassifier(pl.LightningModule):
         self.val_acc = MulticlassAccuracy(NUM_CLASSES, average="micro")
         self.val_auroc = MulticlassAUROC(NUM_CLASSES, thresholds=None)
 
-    def configure_model(self) -> None:
-        """Under ``trainer=fsdp`` (a device mesh from Lightning's ``ModelParallelStrategy``): shard the network with
-        FSDP2, each Linear a unit of its own; every rank keeps 1/N of each weight. Otherwise: nothing."""
-        if self.device_mesh is None or isinstance(self.net, FSDPModule):  # not sharded, or sharded already
-            return
-        mesh = self.device_mesh["data_parallel"]
-        for layer in self.net:
-            if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(self.net, mesh=mesh)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
+
+    def configure_model(self) -> None:
+        """Under ``trainer=fsdp``: shard the network with FSDP2, each Linear a unit of its own; every rank keeps 1/N of
+        each weight. Otherwise: nothing."""
+        shard_layers(self, self.net, (nn.Linear,))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        # Copy decision: the fused kernel updates weights and moments in place; the default (per-tensor)
+        # CPU path allocates two temporaries the size of every parameter each step.
+        return torch.optim.AdamW(
+            self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay, fused=True
+        )
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -110,10 +123,3 @@ class DigitsClassifier(pl.LightningModule):
         self.log("val/loss", F.cross_entropy(logits, y), prog_bar=True, sync_dist=True)
         self.log("val/acc", self.val_acc, prog_bar=True)
         self.log("val/auroc", self.val_auroc)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        # Copy decision: the fused kernel updates weights and moments in place; the default (per-tensor)
-        # CPU path allocates two temporaries the size of every parameter each step.
-        return torch.optim.AdamW(
-            self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay, fused=True
-        )

@@ -28,7 +28,24 @@ Two sources of batches (``data.source``):
     copy at all and the one copy per batch is the host-to-device one, a real part of each step. Augmentation
     (per-image dimming, a per-batch shift) runs on the device, inside the transform.
 
-On a CPU the batches stay where they were made: no copy, no pinning, the same code.
+On a CPU the batches stay where they were made: no copy, no pinning, the same code. Sharded (``trainer=fsdp``):
+``configure_model`` shards the network with FSDP2 (``recipes/model_setup.py``).
+
+Callbacks (``conf/recipe/pinned.yaml``, then ``conf/callbacks/default.yaml``'s, which every recipe has):
+  * ``DataWaitMonitor`` (``copy_correct/lightning/data_wait.py``): host clocks and each batch's first dimension;
+    holds no tensor, copies nothing.
+  * ``ResumeState`` (``copy_correct/lightning/resume.py``, ``resume_data_order.py``): copies of the generators' states
+    and a record of the loaders' order in every checkpoint. With ``data.num_workers`` > 0 it discards Lightning's
+    first training iterator (its workers already hold the first epoch's indices) and makes a recorded one: the first
+    epoch's order, and every draw after it, are not a plain Lightning run's, and the same again after a resume.
+  * ``IsolatedEvaluation`` (``copy_correct/lightning/isolated_evaluation.py``): each validation's draws from torch's,
+    NumPy's and Python's generators (the validation loader's base seed, its workers' seeds) are undone when it ends:
+    the epochs after it shuffle and shift as if it had not run.
+  * ``NonFiniteStop`` (``copy_correct/lightning/nonfinite_stop.py``): each loss copied on its device into a tensor
+    made once; the weights read, never copied, every 50 batches and before each save.
+  * ``ModelCheckpoint`` and ``LastCheckpoint`` (``copy_correct/lightning/last_checkpoint.py``), written through
+    ``AtomicCheckpointIO`` (``atomic_checkpoint.py``): every storage streamed once into a file beside the target and
+    renamed over it. ``RunSummary``, ``StaleTemporaries``, the progress bar: read only.
 
 Change first: ``render_digits`` / ``AugmentedDigits`` in ``recipes/data/pinned_digits.py`` (your data and its
 augmentation) and the network in ``DigitsCNN``.
@@ -42,8 +59,9 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
 from torchmetrics.classification import MulticlassAccuracy
+
+from recipes.model_setup import at_least_one, check_args, check_classes, shard_layers
 
 __all__ = ["DigitsCNN", "GridMean"]
 
@@ -92,16 +110,10 @@ class DigitsCNN(pl.LightningModule):
         input_format: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        if classes is not None and len(classes) != NUM_CLASSES:
-            raise ValueError(f"model.classes must name {NUM_CLASSES} classes, got {len(classes)}")
-        if width < 1:
-            raise ValueError(f"model.width must be >= 1, got {width}")
-        if not lr > 0:
-            raise ValueError(f"model.lr must be > 0, got {lr}")
-        if weight_decay < 0:
-            raise ValueError(f"model.weight_decay must be >= 0, got {weight_decay}")
-        if stem_stride < 1:
-            raise ValueError(f"model.stem_stride must be >= 1, got {stem_stride}")
+        check_classes(classes, NUM_CLASSES)
+        at_least_one(width=width)
+        check_args([("lr", lr, lr > 0, "> 0"), ("weight_decay", weight_decay, weight_decay >= 0, ">= 0")])
+        at_least_one(stem_stride=stem_stride)
         self.save_hyperparameters()
         self.net = nn.Sequential(
             nn.Conv2d(in_channels, width, stem_stride + 1, stride=stem_stride, padding=stem_stride // 2),
@@ -117,19 +129,18 @@ class DigitsCNN(pl.LightningModule):
         self.train_acc = MulticlassAccuracy(NUM_CLASSES, average="micro")
         self.val_acc = MulticlassAccuracy(NUM_CLASSES, average="micro")
 
-    def configure_model(self) -> None:
-        """Under ``trainer=fsdp`` (a device mesh from Lightning's ``ModelParallelStrategy``): shard the network with
-        FSDP2, each layer with weights a unit of its own; every rank keeps 1/N of each weight. Otherwise: nothing."""
-        if self.device_mesh is None or isinstance(self.net, FSDPModule):  # not sharded, or sharded already
-            return
-        mesh = self.device_mesh["data_parallel"]
-        for layer in self.net:
-            if isinstance(layer, (nn.Conv2d, nn.Linear)):
-                fully_shard(layer, mesh=mesh)
-        fully_shard(self.net, mesh=mesh)
-
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.net(images)
+
+    def configure_model(self) -> None:
+        """Under ``trainer=fsdp``: shard the network with FSDP2, each layer with weights a unit of its own; every rank
+        keeps 1/N of each weight. Otherwise: nothing."""
+        shard_layers(self, self.net, (nn.Conv2d, nn.Linear))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(
+            self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay, fused=True
+        )
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         images, labels = batch
@@ -146,8 +157,3 @@ class DigitsCNN(pl.LightningModule):
         self.val_acc.update(logits, labels)
         self.log("val/loss", F.cross_entropy(logits, labels), prog_bar=True, sync_dist=True)
         self.log("val/acc", self.val_acc, prog_bar=True)
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(
-            self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay, fused=True
-        )

@@ -17,7 +17,8 @@ from copy_correct import CheckpointMismatch, FrameReplayBuffer, make_target
 from copy_correct.probes import MemoryProbe, storage_key
 from recipes.atari import NatureQNetwork
 from recipes.build import build
-from recipes.dqn import DQN, QNetwork, plot_returns
+from recipes.dqn import DQN, QNetwork
+from recipes.dqn_plot import plot_returns
 from tests.conftest import QUIET, compose_config, run_train, warning_lines
 
 SHORT = [
