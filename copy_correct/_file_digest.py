@@ -1,31 +1,24 @@
 """The digest of a file ``torch.save`` wrote: written with it, checked before anything in it is unpickled or mapped.
 
-Contract:
+Why: ``torch.save`` writes a zip archive of stored (uncompressed) records (the pickle ``ARCHIVE/data.pkl``, one record
+per tensor storage, a few small ones), and ``torch.load`` checks no digest: 64 flipped bytes in a tensor's record
+load as other numbers, without an error.
 
-* ``torch.save`` writes a zip archive of stored (uncompressed) records: the pickle (``ARCHIVE/data.pkl``), one record
-  per tensor storage (``ARCHIVE/data/N``) and a few small ones. ``torch.load`` checks no digest: 64 flipped bytes in a
-  tensor's record load as other numbers, without an error.
+Copy contract (bytes only: no tensor is made, copied or seen by autograd):
+
 * Written (``DigestWriter`` and ``seal``, which ``atomic_save`` uses): the CRC-32 of every byte ``torch.save`` writes,
-  computed as the bytes pass to the file, stored in the archive's comment at its end (``copy-correct crc32 HEX
-  SIZE``; zip readers, ``torch.load`` included, skip the comment). A write of 1 MiB or more (a tensor's record) is
-  digested in a second thread while the first writes it (``zlib.crc32`` and the file's ``write`` both release the
-  GIL), so where a core is free the digest adds almost nothing to the save; ``torch.save``'s own per-record CRC-32
-  (``torch.utils.serialization.config.save.compute_crc32``), computed in line, is turned off for that save
-  (``torch_crc32(False)``): it would cost a second pass.
+  computed as the bytes pass to the file and stored in the archive's comment (``copy-correct crc32 HEX SIZE``; zip
+  readers, ``torch.load`` included, skip it). A write of 1 MiB or more is digested in a second thread while the first
+  writes it (``zlib.crc32`` and ``write`` release the GIL); ``torch.save``'s own per-record CRC-32, computed in line,
+  is turned off for that save (``torch_crc32(False)``): it would cost a second pass.
 * Checked (``verify_file``): a sealed file's bytes are read once (memory-mapped, in 16 MiB slices, no copy held) and
-  their CRC-32 compared with the sealed one. A file without the seal (``torch.save`` or Lightning's own writer) is
-  checked record by record against ``torch.save``'s per-record CRC-32s, when it wrote them. ``DamagedFile`` (a
-  ``ValueError``), one line naming the file and what is wrong, for: an empty file; a file that is not a zip archive
-  (cut short, so its directory at the end is gone; random bytes; a raw pickle; ``torch.save``'s legacy format); an
-  archive that is not ``torch.save``'s (no ``data.pkl``, a compressed record); bytes that do not match the seal, or
-  a record that does not match its CRC-32 (naming the record); an unsealed archive written without per-record CRC-32s
-  (all stored as 0: nothing to check it against). Nothing is written.
-* What it does not detect: a change that keeps the CRC-32 (CRC-32 catches accidental damage: any burst of up to 32
-  flipped bits, and other changes but for one in 2**32; it is no authenticator against a forger, who can recompute
-  it). A file's safety to unpickle is a separate check: ``torch.load(..., weights_only=True)``
-  (``copy_correct.checked_load``).
-* Cost of a check: one sequential read of the file (a page-cache hit right after it is written or before it is
-  loaded) at zlib's CRC-32 speed.
+  compared with the seal; an unsealed one (``torch.save``'s, Lightning's) record by record against ``torch.save``'s
+  per-record CRC-32s. Nothing is written. ``DamagedFile`` (a ``ValueError``), one line naming the file and what is
+  wrong: empty, not a zip archive (cut short, random bytes, a raw pickle, the legacy format), not ``torch.save``'s
+  (no ``data.pkl``, a compressed record), bytes or a record that do not match, or nothing to check against.
+* Not detected: a change that keeps the CRC-32 (it catches accidental damage, any burst of up to 32 flipped bits and
+  other changes but for one in 2**32; it is no authenticator against a forger). Safety to unpickle is a separate
+  check, ``torch.load(..., weights_only=True)`` (``copy_correct.checked_load``).
 """
 
 from __future__ import annotations

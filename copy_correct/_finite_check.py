@@ -10,27 +10,18 @@ CPU tensor's value: no sync). The tensors are never written and autograd sees no
 
 How, and why it is exact:
 
-* A float32/float64 tensor is summed, its sum written into the scratch: a sum is NaN or infinite when any element is
-  (NaN propagates; ``inf + -inf`` is NaN), and finite when every element is, unless the finite elements' sum overflows.
-  A sum to a single element of more than ``GRAIN`` elements runs in two passes over a per-thread buffer that the
-  kernel allocates, so a large tensor is summed per row of its first dimension instead, into its own rows of the
-  scratch: from ``_GEMV`` elements, as a matrix-vector product with a vector of ones (BLAS's gemv; the rows of a
-  tensor that is not contiguous, by the sum kernel). Both read every element once; from memory, gemv read the
-  benchmarks' weights in 0.36-0.40 of the time of the in-place lerp of the same tensors, the sum kernel in about 0.5
-  (2 CPU threads).
-* A float16/bfloat16 tensor (a half-precision average, or its staging) is reduced to its maxima and its minima (over
-  the same dims), exact where a sum in its precision would overflow and a sum in float32 would cast it to a new tensor
-  first; a tensor of one long row (one dimension, or a first dimension of 1) to its minimum and maximum by
-  ``aminmax``.
-* A sum of the scratch (``aminmax`` when it is larger than ``GRAIN``, half-precision, or not finite) says whether every
-  partial result is finite. If one is not, the tensor is read again for its maxima and minima over the same dims, into
-  its own elements of the scratch (a minimum and a maximum cannot overflow, and ``aminmax`` of a whole tensor that is
-  not contiguous would copy it), so a finite tensor whose sum overflowed still counts as finite: an update is never
-  skipped for an overflow.
-
-So the check costs one read of the weights, where an update in place reads two tensors and writes one: a third of it
-if a read-only stream moved bytes as fast as the update's streams; on the 2-core machine of ``docs/benchmarks.md`` it
-moves them a little slower, and the check measures 0.36-0.40 of the update.
+* A float32/float64 tensor is summed into the scratch: a sum is NaN or infinite when any element is, and finite when
+  every element is, unless the finite elements' sum overflows. A sum to one element of more than ``GRAIN`` elements
+  would allocate a per-thread buffer, so a large tensor is summed per row of its first dimension into its own rows of
+  the scratch: from ``_GEMV`` elements as a matrix-vector product with a vector of ones (gemv; the rows of a tensor
+  that is not contiguous by the sum kernel). Why gemv: from memory it read the benchmarks' weights in 0.36-0.40 of
+  the time of the in-place lerp of the same tensors, the sum kernel in about 0.5 (2 CPU threads).
+* A float16/bfloat16 tensor is reduced to its maxima and minima over the same dims (a sum in its precision could
+  overflow, one in float32 would cast it to a new tensor first); a tensor of one long row by ``aminmax``.
+* A sum of the scratch says whether every partial result is finite. If one is not, the tensor is read again for its
+  maxima and minima into its own elements of the scratch (they cannot overflow), so a finite tensor whose sum
+  overflowed still counts as finite: an update is never skipped for an overflow. What the check costs beside the
+  update is on the ema recipe's page.
 """
 
 from __future__ import annotations

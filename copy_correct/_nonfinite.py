@@ -1,38 +1,27 @@
 """``NonFiniteGuard``: an average updated in place skips, on the device, every update whose live values hold a NaN or an
 Inf, and leaves itself bit for bit as it was (``-0.0`` entries included).
 
-Copy contract: the guard allocates once, at construction, one flat staging tensor per group (the live values, in the
-average's dtype and device: one copy of the weights) and a few 0-dim tensors (flags, counters, the weight). An update
-then allocates nothing, reads nothing back to the host and decides nothing on the host: the decision is a 0-dim flag
-on the device, and every kernel of the update runs whatever it holds. The live tensors are only read (copied into
-the staging); each average tensor's version rises by exactly one per update, skipped or not (as
-``copy_correct._foreach_writes``). ``skipped`` and ``applied`` are device counters: reading them is a sync, the
-reader's, never the update's. Groups on several devices (a model spread over GPUs) bring their checks to the first
-group's device and take the flag back, device to device; a CPU shadow of a CUDA model waits for its device-to-host
-copies anyway. Not for a sharded average: each rank would decide on its own shards (``EMA`` refuses it).
+Copy contract: new storage once, at construction: one flat staging tensor per group (the live values in the average's
+dtype and device: one copy of the weights) and a few 0-dim tensors (flags, counters, the weight). An update then
+allocates nothing, reads nothing back and decides nothing on the host: the decision is a 0-dim flag on the device,
+and every kernel runs whatever it holds. The live tensors are only read (copied into the staging); each average
+tensor's version rises by exactly one per update, skipped or not (``copy_correct._foreach_writes``), so autograd sees
+every write. ``skipped`` and ``applied`` are device counters: reading one is a sync, the reader's. Groups on several
+devices bring their checks to the first group's device. Not for a sharded average: each rank would decide alone.
 
-How one update decides and stays exact, per group (``update``):
+Why it is exact, per group (``update``):
 
-1. The caller copies the live values into the flat staging (``staging``), which the guard then writes.
-2. ``torch.aminmax(flat)``: one reduction per group, reading the staging once; both ends propagate a NaN, and an
-   infinite element is one of them. ``max(high, -low)``, the largest magnitude, is finite exactly when every element
-   is (a maximum cannot overflow, a sum could); the groups' meet in one 0-dim maximum, and ``good`` is
-   ``largest < inf``. (``torch.linalg.vector_norm(flat, inf)`` says the same, measured 10x slower on CPU.)
-3. Averaging: ``lerp_(average, X, w)`` with ``X`` the staging zeroed when the update is bad (its bits times
-   ``good``, in the integers of its width: ``+0.0``; a float product would keep ``0 * NaN = NaN``) and ``w`` the
-   weight when good, ``-0.0`` when bad. A bad update then computes ``a + (-0.0) * (0 - a)`` = ``a + (-0.0)`` = ``a``
-   for every finite ``a``, ``-0.0`` included (``a + (+0.0)`` would turn ``-0.0`` into ``+0.0``); a good one is the
-   unguarded ``lerp_`` with the same weight, bit for bit (float32 and float64 averages: a float16/bfloat16
-   average's weight is rounded to its dtype, since ``lerp`` takes a tensor weight of its own dtype).
-   ``torch._foreach_lerp_`` has no 0-dim tensor weight: the weight list is the 0-dim weight expanded (CPU, whose
-   foreach runs per tensor anyway) or one flat weight tensor filled from it each update (CUDA, where only
-   same-shaped dense lists take the fused path).
-4. Copying (integer buffers, and every tensor before ``start_step``): a select in the integers of the same width,
-   ``a += (x - a) * good``, exact for any bit pattern (integer arithmetic wraps), so a copy is bit for bit and a
-   skipped copy leaves the average as it was.
-5. ``skipped += not good``; an averaging update also does ``applied += good``: the warm-up's position, from which
-   the next weight is computed on the device, counts applied updates only, so the next update after a skipped one
-   is made as if the skipped one had never been.
+1. The caller copies the live values into ``staging``; ``torch.aminmax`` of it (one reduction, both ends propagate a
+   NaN) gives the largest magnitude, finite exactly when every element is (a maximum cannot overflow, a sum could).
+2. Averaging: ``lerp_(average, X, w)``, ``X`` the staging zeroed when bad (its bits times the flag, in integers of its
+   width: a float product keeps ``0 * NaN = NaN``) and ``w`` the weight when good, ``-0.0`` when bad: a bad update
+   computes ``a + (-0.0)`` = ``a`` for every finite ``a``, ``-0.0`` included, and a good one is the unguarded
+   ``lerp_``, bit for bit (a float16/bfloat16 average's weight rounded to its dtype). ``torch._foreach_lerp_`` takes
+   no 0-dim weight: the weight is expanded (CPU) or filled into one flat tensor (CUDA, for the fused path).
+3. Copying (integer buffers, every tensor before ``start_step``): ``a += (x - a) * good`` in integers of the same
+   width, exact for any bit pattern.
+4. ``skipped += not good``, ``applied += good``: the warm-up counts applied updates only, so the update after a skip is
+   made as if the skipped one had never been.
 """
 
 from __future__ import annotations

@@ -2,12 +2,11 @@
 
 ``atomic_save`` (and so ``AtomicCheckpointIO`` and the post-hoc EMA snapshots) writes ``.NAME.tmp-PID`` beside its
 target and renames it over the target; ``AtomicModelParallelStrategy`` writes a directory ``.NAME.tmp-PID``. A SIGKILL
-during the write leaves that hidden entry behind, which nothing reads (a checkpoint's size each: 19 files, 9 MB after
-21 kills of the recipes). Here, an entry named ``.NAME.tmp-PID`` is stale when no process ``PID`` lives on this
-machine; only those are removed (files, and the directories of a sharded save), in the directory and the folders
-below it. An entry of a live process, this one included, is kept: it may be a save in progress. ``.NAME.old-PID``
-(the previous distributed checkpoint set aside by the two-rename fallback) is never touched: it may be the only whole
-checkpoint left.
+during the write leaves that hidden entry behind, a checkpoint's size, which nothing reads. Here, an entry named
+``.NAME.tmp-PID`` is stale when no process ``PID`` lives on this machine; only those are removed (files, and the
+directories of a sharded save), in the directory and the folders below it. An entry of a live process, this one
+included, is kept: it may be a save in progress. ``.NAME.old-PID`` (the previous distributed checkpoint set aside by
+the two-rename fallback) is never touched: it may be the only whole checkpoint left.
 
 The test is ``os.kill(PID, 0)``: a PID reused since by an unrelated live process keeps its file (the safe side), and
 PIDs are of this machine, so call it where the writers ran (global rank 0 of a run on one machine, the usual case).

@@ -4,26 +4,23 @@ snapshots, that ``MyModule.load_from_checkpoint(path)`` reads (``copy_correct.cl
     copy-correct posthoc RUN_DIR --sigma-rel 0.08
     copy-correct posthoc RUN_DIR --sigma-rel 0.05 0.08 0.12 --step 4000
 
-RUN_DIR is the run's directory, or its one folder of snapshots (``power_ema/``, beside the checkpoints), or any
-directory above that (``copy_correct.posthoc_ema.snapshot_folder``). For each ``--sigma-rel`` the weights are the
-power-function EMA of that width at ``--step`` (default: the last snapshot's), combined from the snapshots taken up
-to it (``copy_correct.synthesize``); the rest of the checkpoint (hyperparameters, versions) comes from
-``--checkpoint`` (default: the newest ``*.ckpt`` beside the snapshots); so do a module's other weights where the
-snapshots are of one submodule (``module``: a GAN's generator). Each is written, atomically, beside it as
-``posthoc-ema-sigma0.080-step000004000.ckpt``, and its path printed. A ``ValueError`` (the command: exit status 2, one
-line) when there is nothing to synthesize from, naming the path searched and the file patterns, or when a snapshot
-of the history up to the step is missing, naming it (``copy_correct.snapshot_history``).
+RUN_DIR is the run's directory, its folder of snapshots (``power_ema/``) or any directory above it
+(``copy_correct.posthoc_ema.snapshot_folder``). For each ``--sigma-rel`` the weights are the power-function EMA of that
+width at ``--step`` (default: the last snapshot's), combined from the snapshots up to it (``copy_correct.synthesize``);
+the rest of the checkpoint (hyperparameters, versions, a module's other weights where the snapshots are of one
+submodule) comes from ``--checkpoint`` (default: the newest ``*.ckpt`` beside the snapshots). Each is written
+atomically beside it as ``posthoc-ema-sigma0.080-step000004000.ckpt`` and its path printed.
 
-Every file read is one a user hands over, so nothing in it runs and damage is refused: the checkpoint and each
-snapshot are checked against the digests written with them and loaded with ``weights_only=True``
-(``copy_correct.checked_load``; ``read_checkpoint`` for a directory), refused in one line naming the file
-(``DamagedFile``, ``UnsafeFile``: ``ValueError``s) otherwise.
-
-A sharded run's snapshots (FSDP2: ``power-ema-STEP-rankRofW.pt``, every rank its shards) are combined rank by rank,
-each rank's files into its shards with no gather (the combination is linear), and the shards then joined into full
-tensors as their layout says (``Shard(dim=0)`` over a mesh of W ranks: concatenated in rank order); a distributed
-checkpoint (a directory) is read whole in this one process (``torch.distributed.checkpoint``'s converter). The
-output is one file of full weights either way.
+Copy contract: the files read are only read, checked against the digests written with them and loaded with
+``weights_only=True`` (``copy_correct.checked_load``; ``read_checkpoint`` for a directory), so nothing in them runs and
+damage is refused in one line naming the file (``DamagedFile``, ``UnsafeFile``). The synthesized tensors are new CPU
+tensors with no graph, the ``state_dict`` of a new checkpoint dict beside the checkpoint's kept entries (the other
+weights its own tensors, not copied). A sharded run's snapshots are combined rank by
+rank into its shards (no gather: the combination is linear), then joined into full tensors as their layout says
+(``Shard(dim=0)`` over W ranks: concatenated in rank order); a distributed checkpoint is read whole in this one
+process. The output is one file of full weights either way. Nothing to synthesize from, or a missing snapshot of the
+history up to the step (``copy_correct.snapshot_history``), is a ``ValueError`` naming the path or the file (the
+command: exit status 2, one line).
 """
 
 from __future__ import annotations

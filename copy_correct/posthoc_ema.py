@@ -2,29 +2,24 @@
 
 Copy contract:
 
-* Snapshot files are checked against the CRC-32 digest written with them (one read of each file, holding no copy),
-  then opened with ``torch.load(..., mmap=True, weights_only=True)`` (``load_checked``): their tensors are read-only
-  memory maps of the files, paged in while a tensor is combined and evictable after, so a reconstruction from any
-  number of snapshots holds about one model in memory (the result), plus one float64 accumulator the size of the
-  largest tensor at a time. Snapshot states given as mappings are only read.
-* ``synthesize`` returns new CPU tensors, by ``state_dict`` name, that share nothing with the snapshots (ties within
-  the model kept: tied names get one tensor): each floating tensor is ``sum_i c_i * snapshot_i[name]`` accumulated in
-  float64 and cast to the snapshots' dtype; integer buffers are copied from the latest snapshot used. The tensors are
-  plain (no ``requires_grad``, no graph): ``model.load_state_dict(result)`` copies them into a model.
-* The combination is linear and works tensor by tensor, so a rank's snapshot files of a sharded model combine into
-  that rank's shards (plain tensors, ``to_local()``'s shapes) without a gather or any collective; snapshots of
-  different ranks or spreads are refused together.
+* Shared, read only: the snapshots. A file is checked against the CRC-32 digest written with it (one read, no copy),
+  then opened with ``torch.load(..., mmap=True, weights_only=True)`` (``load_checked``): its tensors are read-only
+  memory maps, paged in while a tensor is combined and evictable after. Snapshot states given as mappings are only
+  read.
+* New storage: ``synthesize`` returns new CPU tensors by ``state_dict`` name (tied names get one tensor): each floating
+  tensor is ``sum_i c_i * snapshot_i[name]`` accumulated in float64 and cast to the snapshots' dtype, integer buffers
+  are copied from the latest snapshot used. Any number of snapshots costs about one model (the result) plus one
+  float64 accumulator the size of the largest tensor.
+* Autograd sees nothing: the tensors are plain (no ``requires_grad``, no graph); ``model.load_state_dict(result)``
+  copies them into a model.
+* Why tensor by tensor: the combination is linear, so a rank's snapshot files of a sharded model combine into that
+  rank's shards (``to_local()``'s shapes) with no gather and no collective; snapshots of different ranks or spreads
+  are refused together.
 
-Where the snapshots are: ``synthesize`` and ``copy-correct posthoc`` (``copy_correct.cli``) take a run's directory or
-its folder of snapshots (``power_ema/``, beside the checkpoints); ``snapshot_folder`` finds the one folder of
-snapshot files (``SNAPSHOT_PATTERNS``) at or below it, and names the path and the patterns when there is none. Bad
-arguments (a number for ``snapshots``, a ``sigma_rel`` that is not a number in ``(0, SIGMA_REL_MAX)``, a ``step`` that
-is not an integer >= 1) raise one line naming the argument before any file is read.
-
-The coefficients are ``copy_correct.power_function.solve_coefficients``: float64 least squares on the profiles'
-closed-form inner products, normalised to sum to 1, snapshots after the target step left out. EDM2 reconstructs at a
-snapshot's step; at a step between two snapshots the result is the best fit from the snapshots before it (the weights
-of the steps since the last one are missing from it, and no weight of a later step gets in).
+The coefficients (``synthesis_coefficients``; the maths is ``copy_correct.power_function.solve_coefficients``) are
+float64 least squares on the profiles' closed-form inner products, normalised to sum to 1, snapshots after the target
+step left out: between two snapshots the result is the best fit from those before it. ``snapshot_folder`` finds a
+run's one folder of snapshots (``power_ema/``); a bad argument raises one line naming it before any file is read.
 """
 
 from __future__ import annotations
@@ -94,7 +89,7 @@ def synthesis_coefficients(
 ) -> list[tuple[int, float, Mapping[str, torch.Tensor], float]]:
     """``(step, sigma_rel, profile, coefficient)`` for each profile stored in the snapshots' states (``snapshot()``'s
     or ``load_snapshot``'s), the coefficients those of the profile ``sigma_rel`` at ``step`` (default: the latest
-    snapshot's): ``solve_coefficients``'s, 0 for snapshots after ``step``."""
+    snapshot's): ``copy_correct.power_function.solve_coefficients``'s, 0 for snapshots after ``step``."""
     profiles = [
         (int(state["step"]), float(sigma), profile)
         for state in snapshots

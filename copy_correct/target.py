@@ -2,72 +2,28 @@
 
 Copy contract:
 
-* ``make_target(online)`` deep-copies once: every parameter and buffer gets storage of its own,
-  ``requires_grad=False`` (so no optimizer built from ``parameters()`` with a ``requires_grad`` filter, and
-  no backward, can touch it), eval mode. ``make_target(online, into=net)`` gives ``net`` the same: its own storage,
-  written in place by ``hard_update``, then frozen.
-* ``hard_update(target, online)`` and ``soft_update(target, online, tau)`` write into the target's existing
-  storage under ``no_grad`` whatever the caller's grad mode: one ``torch._foreach_copy_`` /
-  ``torch._foreach_lerp_`` per (device, dtype) group over tensor lists built once per (target, online)
-  pair. No allocation, each target tensor's ``_version`` rises by exactly one on every device (so autograd
-  refuses a backward through a target tensor saved before the update; ``copy_correct._foreach_writes``),
-  nothing is read back to the host. ``hard_update`` is bit-exact, NaN and Inf included. Buffers come along: BatchNorm
-  statistics are copied (hard) or averaged (soft), integer buffers copied.
-* ``skip_nonfinite=True`` (``hard_update``, ``soft_update``; off by default): an update whose online parameters or
-  floating buffers hold any NaN or Inf leaves the target bit for bit as it was (``-0.0`` entries and integer buffers
-  included), and a clean guarded update is the plain one, bit for bit. Nothing is allocated per update after the
-  first, which builds the guard's scratch once per target (kept as weakly tied to the target as the pair's lists).
-
-  - A target on the CPU is checked on the host before anything is written (``copy_correct._finite_check``: one
-    reduction per online tensor into the guard's few elements of scratch, exact, an overflowing sum included): a
-    skipped update writes nothing at all (no version raised, integer buffers untouched), a clean one is the
-    unguarded update itself (each version raised by one). The guard costs one read of the online weights and holds
-    no staging copy: measured 1.50x the unguarded ``hard_update`` and 1.52x ``soft_update`` on the 24M-element conv
-    net of ``benchmarks/target.py`` and 2.4-3.4x on its small Q-networks, where each tensor's reduction is a call of
-    its own (2 CPU threads).
-  - Elsewhere (CUDA) the update is decided on the device as ``EMA(skip_nonfinite=True)`` decides there
-    (``copy_correct._nonfinite.NonFiniteGuard``): no value read back, at the price of a flat staging copy of the
-    online values per target and of its passes (measured 4.3x the EMA update on an H200: opt-in, as here). Every
-    target tensor's version rises by one per update, skipped or not.
-
-  ``skipped_updates(target)`` reads how many were skipped (a sync on a GPU, the reader's). Not for sharded networks:
-  each rank would decide on its own shards.
-* ``load_state_dict`` in the loop does the same copy with a ``state_dict()`` walk, a dict of aliases and
-  a Python loop per call; ``target.data.copy_(tau * q + (1 - tau) * t)`` allocates three temporaries per
-  tensor and bypasses autograd's version checks through ``.data``.
-
-Refused, in one line naming the argument, before anything is written: anything but a module for ``target``,
-``online`` or ``into`` (``.parameters()``, a list of tensors, a ``state_dict``: pass the module), networks that differ
-or hold no floating tensor, a ``tau`` that is not a number in (0, 1] (a string is a ``TypeError``), a
-``skip_nonfinite`` that is not a bool, and the arguments reversed: ``hard_update(online, target)``, as
-stable-baselines3's ``polyak_update(params, target_params)`` orders them, would overwrite the trained network, so a
-``target`` that requires grad with an ``online`` frozen everywhere (``make_target``'s) is refused. Two trainable
-networks (CleanRL's target is a second ``QNetwork``) are taken: nothing tells their order. The networks are checked
-once per (target, online) pair, when its lists are built; later calls check the types of their scalars alone. To
-copy a frozen network into a trainable one on purpose, use ``trainable.load_state_dict(frozen.state_dict())``.
-
-Wrapped networks: ``torch.compile``, ``DataParallel`` and DDP wrappers are looked through (``online``, ``target`` or
-both), so their ``_orig_mod.`` / ``module.`` prefixes never make a pair mismatch; ``make_target`` copies the module
-inside (compile the target yourself if you want it compiled). The lists built for a pair refer to the target's
-modules weakly: a target its user drops is freed, whatever it holds (``tests/parts/test_target.py``).
-
-A parent module's ``.train()`` also switches the target to training mode; a recipe that holds the target
-as a submodule keeps it in eval mode (see ``recipes/dqn.py``).
-
-Sharded networks (FSDP2, parameters as ``DTensor``): FSDP2 forbids deep copies of a sharded module, so make the
-target before sharding and shard both networks alike (the same ``fully_shard`` calls on the same submodules):
-
-    target = make_target(online)
-    for network in (online, target):
-        shard(network)  # your fully_shard calls
-
-``hard_update`` and ``soft_update`` then check that each pair is spread alike (refusing, naming both layouts, a
-pair that is not) and run the same foreach calls on this rank's shards (``DTensor.to_local()``): every rank updates
-its own part, nothing is sent, no collective is issued. Before writing, they drop the target's gathered parameters
-(FSDP2 keeps the root's after a forward without backward, as a target's is), so its next forward gathers the new
-values instead of using the old gathered copy. For a network that is already sharded, build a second one, shard it
-alike and let ``make_target(online, into=second)`` copy the weights into it (local shards, no collective) and
-freeze it; ``make_target(online)`` on a sharded module raises and says so.
+* New storage, once: ``make_target(online)`` deep-copies; every parameter and buffer gets storage of its own,
+  ``requires_grad=False`` (no optimizer built with a ``requires_grad`` filter, and no backward, can touch it), eval
+  mode. ``make_target(online, into=net)`` gives ``net`` the same: written in place by ``hard_update``, then frozen.
+* Written in place, nothing allocated: ``hard_update`` (bit for bit, NaN and Inf included) and ``soft_update``
+  (``lerp_`` by ``tau``) write into the target's storage under ``no_grad``, one ``torch._foreach_copy_`` /
+  ``torch._foreach_lerp_`` per (device, dtype) group over lists built once per (target, online) pair, with no host
+  read. Buffers come along: floating ones copied or averaged, integer ones copied.
+* What autograd sees: each target tensor's ``_version`` rises by exactly one per update on every device
+  (``copy_correct._foreach_writes``), so a backward through a target tensor saved before the update raises. Why not
+  ``load_state_dict`` or ``target.data.copy_(tau * q + (1 - tau) * t)``: a ``state_dict()`` walk per call, or three
+  temporaries per tensor and a write that ``.data`` hides from autograd.
+* ``skip_nonfinite=True`` (opt-in) leaves the target bit for bit when an online floating value is NaN or Inf. A CPU
+  target is checked on the host before writing (``copy_correct._finite_check``: one read of the online weights, no
+  staging copy), so a skip writes nothing and raises no version; on CUDA the device decides
+  (``copy_correct._nonfinite``: a staging copy, no sync). ``skipped_updates`` counts the skips; the cost is on the
+  dqn recipe's page. Not for sharded networks: each rank would decide on its own shards.
+* ``torch.compile``, ``DataParallel`` and DDP wrappers are looked through; the pair's lists hold the target's modules
+  weakly, so a dropped target is freed. A parent's ``.train()`` also switches the target: ``recipes/dqn.py`` keeps it
+  in eval mode.
+* Sharded (FSDP2): make the target before sharding and shard both alike, or give ``make_target(online, into=second)``
+  a second network sharded alike. Each rank updates its own shards (``to_local()``), no collective, after dropping the
+  target's gathered parameters so that its next forward gathers the new values; a pair spread unlike is refused.
 """
 
 from __future__ import annotations

@@ -3,24 +3,19 @@ over it, so a kill at any moment leaves either the old checkpoint or the new one
 
 Copy contract:
 
-* ``torch.save`` streams the checkpoint into ``.NAME.tmp-PID`` in the target's own directory: each tensor's
-  bytes go from its storage to the file (a CUDA storage through the host; nothing is allocated on the
-  device). No serialised copy of the whole checkpoint is held in memory.
-  The file is flushed and ``fsync``-ed, then ``os.replace``-d over the target (a rename, atomic within one
-  filesystem, which the temporary file shares with its target by construction), and the directory is
-  ``fsync``-ed so the rename survives a power loss.
-* Lightning's own ``TorchCheckpointIO`` serialises the whole checkpoint into a ``BytesIO`` first (host
-  memory of 1.13x the checkpoint's size, measured with ``tracemalloc``; for a GPU model, host memory the
-  size of its GPU state), writes that to a file in the system's temporary directory and moves it into place:
-  a move that copies, so is not atomic, when ``TMPDIR`` is on another filesystem than the checkpoint (a
-  ``tmpfs`` ``/tmp``).
-* An exception while writing removes the temporary file and leaves the target as it was. A SIGKILL leaves
-  the target as it was and the hidden temporary file behind, which nothing reads. The writer's PID in the
-  name keeps two processes that write one path by mistake from writing into one temporary file: each
-  renames a whole checkpoint, and the last rename wins.
-* The file is written with ``torch.save``'s CRC-32 of every record on (``atomic_save``), and a full filesystem is one
-  ``DiskFull`` line (``copy_correct.disk_full``) with the temporary file removed and the previous checkpoint as it was.
-* Paths that are not local files (``s3://...``) go through Lightning's own implementation.
+* No serialised copy in memory: ``torch.save`` streams the checkpoint into ``.NAME.tmp-PID`` in the target's own
+  directory, each tensor's bytes from its storage to the file (a CUDA storage through the host; nothing allocated on
+  the device), sealed with the CRC-32 of every byte (``atomic_save``). The file is ``fsync``-ed, ``os.replace``-d
+  over the target (atomic within one filesystem, which the temporary file shares with its target by construction),
+  and the directory ``fsync``-ed so the rename survives a power loss.
+* Why: Lightning's own ``TorchCheckpointIO`` serialises the whole checkpoint into a ``BytesIO`` first (host memory of
+  about the checkpoint's size: the resume guide measures it), then moves a file from the system's temporary
+  directory into place, a copy and not atomic when ``TMPDIR`` is another filesystem (a ``tmpfs`` ``/tmp``).
+* An exception while writing removes the temporary file and leaves the target as it was; a SIGKILL leaves the
+  hidden temporary file, which nothing reads. The writer's PID in the name keeps two processes writing one path
+  apart: each renames a whole checkpoint, the last wins. A full filesystem is one ``DiskFull`` line
+  (``copy_correct.disk_full``), the temporary file removed. Paths that are not local files (``s3://...``) go
+  through Lightning's own implementation.
 
 Loading (``load_checkpoint``, what ``trainer.fit(ckpt_path=...)`` reads through) first checks a local file against its
 digests (``copy_correct._file_digest.verify_file``: ``DamagedFile``, one line naming the file, for a damaged, cut

@@ -4,36 +4,21 @@ moment leaves either the previous checkpoint or the new one under the target's n
 
 Copy contract:
 
-* Every rank writes its shards straight into ``.NAME.tmp-PID`` beside the target (rank 0's PID, broadcast so every
-  rank writes into one directory), by Lightning's own save: ``torch.distributed.checkpoint`` streams each shard from
-  its storage to a file and ``fsync``-s it, then writes ``.metadata``; rank 0 writes ``meta.pt`` last. Nothing is
-  held in memory beyond what that save holds. Rank 0 then ``fsync``-s ``meta.pt`` and the directory.
-* Digests: rank 0 then writes ``digests.json``, the size and CRC-32 of every file of the directory
-  (``copy_correct._shard_digest``: ``torch.distributed.checkpoint``'s shards carry none of their own), which
-  resume (``check_checkpoint``) and ``copy-correct posthoc`` verify, with ``.metadata`` parsed by an unpickler that
-  builds only checkpoint metadata; one more read of the checkpoint's bytes on rank 0, from the page cache.
-* Rank 0 puts it in place: ``renameat2(RENAME_EXCHANGE)`` swaps it with the previous checkpoint (a directory, a file
-  or a link), one rename, atomic within a filesystem, which the hidden directory shares with its target by
-  construction. The previous checkpoint, now under the hidden name, is then removed, and the parent directory
-  ``fsync``-ed. A target that does not exist yet is a plain rename. Every rank waits for that (a barrier) before
-  going on.
-* A one-file checkpoint (``save_distributed_checkpoint=False``) over a file is the trainer's ``CheckpointIO``
-  plugin's write (``AtomicCheckpointIO`` in ``train.py``: already a rename). Over a directory, it is written to the
-  hidden name and swapped in as above.
-* Lightning's own ``ModelParallelStrategy`` writes into the existing directory: each rank its new shards over its
-  old ones, then ``.metadata``, then ``meta.pt``. A kill once the shards are written, or just before ``meta.pt``,
-  leaves new weights under the old ``meta.pt`` (loop counters, EMA counters, random states of the previous save): a
-  checkpoint of no step, which loads without an error. A kill while the ranks write leaves some ranks' new shards
-  beside others' old ones. A switch from a directory to one file removes the directory before writing.
-* Where the filesystem cannot exchange two names (not Linux, or a filesystem that refuses ``RENAME_EXCHANGE``:
-  ``EINVAL``, ``ENOSYS``), the previous checkpoint is renamed aside to ``.NAME.old-PID`` and the new one renamed in:
-  a kill between those two renames leaves no checkpoint under the name and the previous one whole under
-  ``.NAME.old-PID`` (with a warning).
-* An exception while writing removes the hidden directory and leaves the target as it was. A SIGKILL leaves the
-  target as it was and the hidden directory behind, which nothing reads: remove ``.NAME.tmp-*`` by hand.
-* A directory at the target that is not a distributed checkpoint (no ``meta.pt``) is refused
-  (``IsADirectoryError``), never replaced.
-* Paths that are not local files go through Lightning's own implementation (which refuses ``storage_options``).
+* New storage, on disk only: every rank writes its shards straight into ``.NAME.tmp-PID`` beside the target (rank 0's
+  PID, broadcast) by Lightning's own save (``torch.distributed.checkpoint`` streams each shard from its storage to a
+  file and ``fsync``-s it), rank 0 ``meta.pt`` last; nothing is held in memory beyond what that save holds. Rank 0
+  then writes ``digests.json`` (size and CRC-32 of every file, ``copy_correct._shard_digest``: one more read, from
+  the page cache), which resume and ``copy-correct posthoc`` verify.
+* Put in place by rank 0: ``renameat2(RENAME_EXCHANGE)`` swaps it with the previous checkpoint (a directory, a file
+  or a link) in one atomic rename, the previous one is removed and the parent ``fsync``-ed; every rank waits for that.
+  Where the filesystem cannot exchange (``EINVAL``, ``ENOSYS``), the previous one is renamed aside to
+  ``.NAME.old-PID`` first, with a warning. A one-file checkpoint over a file is the ``CheckpointIO`` plugin's write
+  (``AtomicCheckpointIO``).
+* Why: Lightning's own strategy writes the new shards over the old ones and ``meta.pt`` last, so a kill in between
+  leaves a checkpoint of no step that loads without an error (the resume guide).
+* An exception while writing removes the hidden directory and leaves the target as it was; a SIGKILL leaves the
+  hidden directory, which nothing reads. A directory at the target that is not a distributed checkpoint (no
+  ``meta.pt``) is refused (``IsADirectoryError``); paths that are not local files go through Lightning's own save.
 
 Whether a checkpoint is a directory of shards is read from Lightning 2.6's private
 ``ModelParallelStrategy._save_distributed_checkpoint`` (``copy_correct.lightning._lightning_internals``); constructing

@@ -1,34 +1,24 @@
 """``IsolatedEvaluation``: a validation run by ``fit`` leaves the random generators where training left them: torch's,
 NumPy's and Python's.
 
-Lightning validates in the middle of training, on the generators training draws from. Making the validation
-``DataLoader``'s iterator draws its base seed from torch's CPU generator (unless the loader has a ``generator`` of its
-own), and whatever the evaluation code draws (``torch.randn`` in ``validation_step``, an augmentation of the validation
-set made in the main process, dropout in a pass left in train mode) comes from the same generators. The batches after
-a validation then get other dropout masks, latents and augmentations, so how often a run validates changes the
-weights it ends with: the ``gan`` recipe trained 10 epochs ended elsewhere validating every 5 epochs than every 10.
+Why: Lightning validates in the middle of training, on the generators training draws from (the validation loader's
+iterator draws its base seed from torch's CPU generator unless it has its own; ``torch.randn`` in ``validation_step``,
+a main-process augmentation or dropout left in train mode draw too). The batches after a validation then get other
+masks, latents and augmentations, so how often a run validates would change the weights it ends with.
 
-Contract:
+Copy contract:
 
-* At the end of every training batch (the callbacks' ``on_train_batch_end``, the last callback hook Lightning calls
-  before it validates) it keeps the state of torch's CPU generator and, on a CUDA device, of that device's generator
-  (``Generator.clone_state``: a generator object, no tensor, no device sync). When a validation that ``fit`` runs ends
-  (the callbacks' ``on_validation_end``, before ``ModelCheckpoint``'s, which Lightning always calls last) it puts those
-  states back. So everything in between is undone: the iterator's draw, the module's validation steps and
-  ``on_validation_epoch_end``, the callbacks' evaluation hooks and ``EMAWeights``'s EMA pass; and a checkpoint saved
-  at the end of the validation holds the generators as training left them, so a resume from it continues as the
-  uninterrupted run does.
-* NumPy's and Python's global generators (``np.random``, ``random``) are kept when the validation starts (the
-  callbacks' ``on_validation_start``: nothing Lightning does before it draws from them) and put back when it ends, the
-  same way: evaluation code that draws from them (noise, a shuffle, an augmentation made with NumPy) no longer moves the
-  training that follows. Two reads of a few kB per validation, none per batch.
-* Nothing else is touched: the weights, BatchNorm statistics and metric states are the module's (Lightning evaluates
-  in eval mode); the validation draws what it draws, from the states training left.
-* Outside what it restores: NumPy generators other than the global one (``np.random.default_rng()`` objects: their
-  owner keeps them), other accelerators' generators, draws in a module's own
-  ``on_train_batch_end`` (Lightning calls it after the callbacks': when a validation follows, they are undone too) and
-  ``on_validation_end`` (called after the callbacks': kept). Lightning isolates its sanity check itself, and
-  ``trainer.validate`` / ``trainer.test`` have no training to protect: they are left alone.
+* New storage, a few kB per validation, none per batch: at every training batch's end (``on_train_batch_end``, the
+  last callback hook before Lightning validates) the state of torch's CPU generator and, on a CUDA device, that
+  device's (``Generator.clone_state``: a generator object, no tensor, no device sync); at the validation's start,
+  NumPy's and Python's global generators' states.
+* Written back when a validation that ``fit`` runs ends (``on_validation_end``, before ``ModelCheckpoint``'s): every
+  draw in between is undone (the iterator's, the module's validation steps, the callbacks' evaluation hooks,
+  ``EMAWeights``'s EMA pass), and a checkpoint saved then holds the generators as training left them.
+* Shared and untouched: the weights, BatchNorm statistics and metric states are the module's; autograd sees nothing.
+* Outside what it restores: NumPy ``default_rng()`` objects (their owner keeps them), other accelerators' generators,
+  draws in a module's own ``on_train_batch_end`` (undone when a validation follows) and ``on_validation_end`` (kept).
+  Lightning isolates its sanity check itself, and ``trainer.validate`` / ``trainer.test`` are left alone.
 """
 
 from __future__ import annotations

@@ -1,31 +1,24 @@
 """``NonFiniteStop``: a run whose loss or weights turn NaN or Inf stops, naming the step, before any checkpoint holds
 them; the last good checkpoint (``last.ckpt`` included) is left as it was.
 
-What it reads, and when:
+Copy contract: it only reads; nothing it reads is written, no tensor of the module is copied, and autograd sees
+nothing. New storage: one preallocated tensor of ``every_n_steps`` losses (the loss's dtype and device).
 
-* After every training batch, the loss the step returned (``outputs["loss"]`` or a tensor output), copied on its
-  device into a preallocated tensor of ``every_n_steps`` losses (its dtype, its device): one copy kernel, no host
-  sync, no allocation. A module that optimises by hand and returns nothing (the ``gan`` and ``dqn`` recipes) has no
-  loss here: its weights, which a non-finite loss turns non-finite at the optimizer's step, are read at the checks.
-* At a check: those losses (one host read of up to ``every_n_steps`` flags) and every floating parameter and buffer
-  of the module (one ``aminmax`` each, whose ends are NaN or Inf exactly when an element is, and one host read). A
-  check runs every ``every_n_steps`` training batches, at the start of every validation (before a metric or the
-  ``gan`` recipe's FID sees what the weights make), before every checkpoint is saved (``on_save_checkpoint``, which
-  every ``ModelCheckpoint`` save and ``trainer.save_checkpoint`` call before anything is written: raising there
-  writes nothing), and when training ends. Under several processes the decision is all-reduced at each check
+* After every training batch, the loss the step returned (``outputs["loss"]`` or a tensor output) is copied on its
+  device into that tensor: one copy kernel, no host sync, no allocation. A module that optimises by hand and returns
+  nothing (the ``gan`` and ``dqn`` recipes) has no loss here: its weights, which a non-finite loss turns non-finite at
+  the optimizer's step, are read at the checks.
+* At a check: those losses (one host read) and every floating parameter and buffer of the module (one ``aminmax``
+  each, whose ends are NaN or Inf exactly when an element is). A check runs every ``every_n_steps`` training
+  batches, at the start of every validation (before a metric or the ``gan`` recipe's FID sees the weights), before
+  every checkpoint is saved (``on_save_checkpoint``, called before anything is written: raising there writes
+  nothing), and when training ends. Under several processes the decision is all-reduced at each check
   (``reduce_boolean_decision``), so every rank stops together.
 
-What it costs (``python -m benchmarks.nonfinite_stop``, the ``ema`` recipe, a 2-core CPU, torch 2.13, one thread):
-2.6 us per batch (0.5% of the module's bare 0.51 ms training step) and 0.12 ms per check (0.5% of a step when spread
-over 50). Whole 3-epoch fits (270 steps, 8 interleaved each) took medians of 0.696 s with it, 0.700 s without and
-0.700 s with an empty ``Callback`` in its place (fastest 0.681, 0.668 and 0.661 s): within the fits' spread of about
-2%. The per-batch copy launches one kernel on a GPU and reads nothing back
-(``test_a_batch_between_checks_does_not_sync_the_device``, a ``gpu`` test, not yet run on a GPU).
-
-It raises ``NonFiniteTraining`` (a ``RuntimeError``) with one line: the epoch, batch and global step of the first
-non-finite loss, exact; or for weights, the names of up to three non-finite tensors and the steps between which they
-turned (the last check that found them finite, and this one). ``train.py`` prints it as ``error: ...`` and exits
-with status 3. Copy contract: reads only; nothing it reads is written, and the module's tensors are not copied.
+Why per batch a copy and not a read: a read would sync the device every step; the measured cost is in the bad-input
+guide (``python -m benchmarks.nonfinite_stop``). It raises ``NonFiniteTraining`` (a ``RuntimeError``) with one line:
+the epoch, batch and global step of the first non-finite loss, exact; or for weights, the names of up to three
+non-finite tensors and the steps between which they turned. ``train.py`` prints it as ``error: ...``, exit status 3.
 """
 
 from __future__ import annotations

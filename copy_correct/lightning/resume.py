@@ -1,37 +1,29 @@
-"""``ResumeState``: what a checkpoint needs, beyond Lightning's own state, to resume a run bit for bit, and
-whose run it is.
+"""``ResumeState``: what a checkpoint needs, beyond Lightning's own state, to resume a run bit for bit, and whose run
+it is.
 
-Lightning's checkpoint holds the module, the optimizers, the loop counters and each callback's state, but
-not the global random number generators nor where the training data order stands: a resumed run would draw other
-dropout masks and other noise than the run it continues, and, from a plain shuffled ``DataLoader``, other batches.
-This callback adds both; with the recipe name and seed the run was started with when it is given them (``train.py``
-does; a user's own Trainer takes ``ResumeState()``).
+Why: Lightning's checkpoint holds the module, the optimizers, the loop counters and each callback's state, but not the
+global random number generators nor where the training data order stands, so a resumed run would draw other dropout
+masks and noise and, from a plain shuffled ``DataLoader``, other batches. This callback adds both, and the recipe
+name and seed when given them (``train.py`` does; a user's own Trainer takes ``ResumeState()``).
 
-* ``state_dict()`` (taken when a checkpoint is written) holds ``recipe``, ``seed`` (``None`` without them) and, one
-  entry per rank, under ``rng`` the states of torch's CPU generator, the current CUDA device's generator (when CUDA
-  is in use), NumPy's global generator and Python's ``random``, and under ``data_order`` the training loaders'
-  order (``TrainDataOrder``, in ``resume_data_order``). Tensors, numbers, strings and tuples only, so the checkpoint
-  loads with ``torch.load(..., weights_only=True)``. Lightning takes every rank's checkpoint state and writes rank
-  0's, so under a multi-process strategy the ranks' states are gathered to every rank first (one
-  ``all_gather_object``): ranks draw different numbers where a recipe seeds them apart (the ``gan`` recipe does),
-  and one rank's states restored on all would make them draw alike after a resume.
-* ``load_state_dict``, given a recipe, refuses another recipe's or seed's checkpoint (``ValueError``); it keeps the
-  states until ``on_train_start``, after the resumed run is built and sanity-checked (both may draw from the
-  generators) and before its first epoch starts, as the uninterrupted run's next one did after the checkpoint. Each
-  rank then takes its own entry, and the data order is restored (see ``resume_data_order``: mid-epoch, the rest of
-  the interrupted epoch is replayed). A rank the checkpoint has no entry for (resumed on more processes than it was
-  written by) keeps its fresh states, with a warning that the resume is not bit-exact.
-* ``check_checkpoint(path, recipe, seed)`` reads the same stamp from a file (checked against the CRC-32 digests
-  written with it, then loaded memory-mapped, ``weights_only=True``: ``copy_correct.checked_load``), or from a
-  distributed checkpoint's ``meta.pt`` (the directory Lightning's ``ModelParallelStrategy`` writes: the shards
-  through ``torch.distributed.checkpoint``, everything else in ``meta.pt``; every file checked against the
-  ``digests.json`` ``AtomicModelParallelStrategy`` writes, ``.metadata`` parsed safely: ``copy_correct._shard_digest``),
-  so a wrong, damaged or crafted ``ckpt_path`` is refused in one line naming the file before anything is built.
+Copy contract (no tensor of the model is read or written; autograd sees nothing):
 
-The rest of a run's state belongs to whoever owns it: a module its environment, replay buffer and generators of its
-own, a data module whatever it keeps besides its loaders' generators. Resumption is then exact from checkpoints taken
-anywhere in an epoch; what stays inexact (draws inside ``DataLoader`` workers after a mid-epoch resume, persistent
-workers, loaders that cannot be instrumented) is listed in ``resume_data_order``.
+* New storage, in each checkpoint (``state_dict``): ``recipe``, ``seed`` and, one entry per rank, the states of
+  torch's CPU generator, the current CUDA device's (when CUDA is in use), NumPy's and Python's ``random`` (``rng``),
+  and the training loaders' order (``data_order``: ``TrainDataOrder``, in ``resume_data_order``). Tensors, numbers,
+  strings and tuples only: it loads with ``weights_only=True``. Lightning writes rank 0's state, so the ranks' states
+  are gathered first (one ``all_gather_object``): ranks seeded apart (``gan``) must not draw alike after a resume.
+* Restored (``load_state_dict``, after refusing another recipe's or seed's checkpoint with a ``ValueError``) at
+  ``on_train_start``, after the resumed run is built and sanity-checked and before its first epoch, where the
+  uninterrupted run went on: each rank takes its own entry, and the data order is restored. A rank with no entry
+  (more processes than wrote the checkpoint) keeps fresh states, with a warning that the resume is not exact.
+* ``check_checkpoint(path, recipe, seed)`` reads the same stamp from a file or a distributed checkpoint's ``meta.pt``,
+  each file checked against its digests first and loaded with ``weights_only=True`` (``copy_correct.checked_load``,
+  ``copy_correct._shard_digest``), so a wrong, damaged or crafted ``ckpt_path`` is refused in one line naming the
+  file before anything is built.
+
+The rest of a run's state belongs to whoever owns it (a module its environment, replay buffer and own generators).
+What stays inexact is listed in the resume guide.
 """
 
 from __future__ import annotations

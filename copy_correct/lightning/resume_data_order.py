@@ -1,60 +1,30 @@
-"""``TrainDataOrder``: the training data order through a resume, for map-style ``DataLoader``s that batch with torch's
-``BatchSampler`` (any ``DataLoader(dataset, batch_size=..., shuffle=..., sampler=..., generator=...)``): the rest of
-an interrupted epoch, and every later epoch, hold the items the uninterrupted run's do, in its order. ``ResumeState``
-holds one; this module is its data-order part.
+"""``TrainDataOrder``: the training data order through a resume (``ResumeState``'s data-order part), for map-style
+``DataLoader``s that batch with torch's ``BatchSampler``: the rest of an interrupted epoch, and every later epoch,
+hold the items the uninterrupted run's do, in its order.
 
-Why Lightning (2.6) needs it. An epoch's ``DataLoader`` iterator draws the workers' base seed when it is created
-(from ``loader.generator``, else from torch's global CPU generator) and a ``RandomSampler`` draws its order at the
-epoch's first batch (from ``sampler.generator``, else a seed from the global generator). Lightning creates the first
-epoch's iterator in ``FitLoop.setup_data``, before any ``on_train_start`` hook, and a resumed fit creates no other one
-for its first epoch: its base seed comes from the fresh process, the order one draw early. Mid-epoch, Lightning starts
-a plain loader's epoch over while counting the batches already done, so the resumed run sees the wrong items.
+Why Lightning (2.6) needs it: it makes the first epoch's iterator in ``FitLoop.setup_data``, before any
+``on_train_start``, and a resumed fit makes no other for that epoch (the workers' base seed comes from the fresh
+process, the order is drawn one draw early); mid-epoch it starts a plain loader's epoch over while counting the
+batches done. Its own loader state needs a stateful loader (``StatefulDataLoader``), which would replace the user's.
 
-What is shared and what is new: the loaders, their samplers and generators are the user's own objects; the only
-change to them is one ``RecordingSampler`` put between each instrumented loader's ``BatchSampler`` and its sampler
-while ``fit`` runs (taken out at ``teardown``). New storage: one start record per loader (the global generators' states:
-16 kB in a checkpoint, 21 kB with the sampler's own generator) and, in each checkpoint, the loaders' own generators'
-states.
+Copy contract (no tensor of the run is read, copied or seen by autograd):
 
-* ``RecordingSampler`` yields its sampler's indices unchanged and draws nothing, so an uninterrupted run with
-  ``num_workers=0`` sees exactly the order and the draws it saw without it. When an iteration starts it records the
-  epoch, the batches Lightning has fetched in it, the global generators' states (torch CPU, NumPy, ``random``) and the
-  sampler's own generator's state: enough to start the same iteration again.
-* ``state_dict`` (in every checkpoint): the epoch, the batches Lightning has fetched in it
-  (``batch_progress.current.ready``: at ``on_train_batch_end`` the current batch included, at a validation's end and
-  at the epoch's end every batch fetched so far), and per train loader the states of its own generators
-  (``loader.generator``, ``sampler.generator``) and the start record of the epoch in progress. Tensors, numbers,
-  tuples: it loads with ``weights_only=True``.
-* ``on_train_start`` of a resumed fit puts the loaders' own generators back to their states at the save. From a
-  checkpoint taken mid-epoch, each loader's next iteration in that epoch replays: the recorded states set, the sampler
-  started (its draws), the global states put back, the consumed batches' indices skipped. The iterator Lightning made
-  before the hook is then discarded and a new one created at the first fetch, where the uninterrupted run created the
-  epoch's iterator: at an epoch boundary it draws what that one drew (base seed, order), after every
-  ``on_train_epoch_start`` hook; mid-epoch it draws nothing (the global states and the own generators are put back
-  around its creation).
-* A fresh fit with ``num_workers > 0``: Lightning's first iterator has handed the workers the first epoch's indices
-  before any callback could record them, so it is discarded and a recorded one created at the first fetch. That
-  fit's first epoch then has another order than without ``ResumeState``, and the generators draw on from there:
-  exactly reproducible, across resumes too.
-
-Not exact, and nothing here can make it so: random draws inside worker processes (``num_workers > 0``) after a
-mid-epoch resume (the workers never process the skipped items, so their generators stand elsewhere) and, with
-``persistent_workers=True``, after any resume (the workers' generators run on across epochs; a resumed run's workers
-start afresh); a sampler that draws from the global generators after its first item. Loaders that cannot be
-instrumented (an ``IterableDataset``, a custom ``batch_sampler``, ``batch_size=None``) have no order to replay:
-resumed mid-epoch, Lightning starts their epoch over and a warning says so in one line (at an epoch boundary their
-iterator is made where the uninterrupted run made it, like the others'). Loaders without a length make Lightning fetch
-a batch before ``on_train_start``: their iterator is not restarted, and a warning says the order is not restored.
-The restart goes through Lightning's private ``Trainer.fit_loop._data_fetcher`` and the clock through
-``batch_progress.current.ready`` (2.6: ``copy_correct.lightning._lightning_internals``, ``NEEDS``). ``on_train_start``
-checks that they are there before it uses them (where the fit has train loaders): a Lightning without them stops the
-fit before its first batch, with one ``RuntimeError`` line naming what is missing and the version installed.
-
-Why not Lightning's own loader state: Lightning 2.6 saves and restores the ``state_dict`` of a train loader that has
-one (a stateful ``DataLoader``, such as torchdata's ``StatefulDataLoader``), in ``FitLoop.setup_data`` before it makes
-the epoch's iterator. A plain ``DataLoader`` has none, and that is the loader a user gives (and the one Lightning may
-re-create to add a ``DistributedSampler``); giving it one would replace the user's loader. It does nothing for a fresh
-fit either, whose first iterator is made, and given its workers' indices, before any callback can record them.
+* Shared: the loaders, samplers and generators are the user's own. The one change is a ``RecordingSampler`` between
+  each loader's ``BatchSampler`` and its sampler while ``fit`` runs (taken out at ``teardown``): it yields the
+  sampler's indices unchanged and draws nothing, so with ``num_workers=0`` a run sees the order and draws it saw
+  without it.
+* New storage: per loader, the start record of the epoch in progress (the global generators' states, torch CPU, NumPy
+  and ``random``, and the sampler's own generator's, noted when an iteration starts); in each checkpoint, the epoch,
+  the batches fetched in it (``batch_progress.current.ready``), the records and the loaders' own generators' states:
+  tensors, numbers and tuples, loaded with ``weights_only=True``.
+* On resume (``on_train_start``): the loaders' generators put back; mid-epoch, the epoch replayed from its record, the
+  consumed batches skipped; the iterator Lightning made is discarded and one made at the first fetch, where the
+  uninterrupted run made it, drawing what it drew. A fresh fit with ``num_workers > 0`` is remade alike, so its first
+  epoch's order differs from a run without ``ResumeState``.
+* What stays inexact (draws inside workers after a mid-epoch resume or with persistent workers; loaders that cannot be
+  instrumented, which warn) is in the resume guide. The private ``fit_loop._data_fetcher`` and
+  ``batch_progress.current.ready`` are checked at ``on_train_start`` (``_lightning_internals.NEEDS``): one
+  ``RuntimeError`` line naming what is missing and the version installed.
 """
 
 from __future__ import annotations
