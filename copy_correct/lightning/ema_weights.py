@@ -9,6 +9,9 @@ reaches the average.
   ``start_step`` on, every ``update_every`` steps. The step is read once training starts, after Lightning restored a
   resumed run's counters, so a resumed run makes exactly the updates the uninterrupted one makes, with any
   accumulation (``tests/lightning/test_ema_weights.py`` resumes at every step).
+* ``module`` names the one submodule to average (``"generator"`` of a GAN), ``None`` the whole LightningModule:
+  evaluation swaps, ``ema_weights_at_end`` and the buffer broadcast touch that submodule only, and checkpoints name its
+  average as the LightningModule's ``state_dict`` does (``generator.net.0.weight``), in the weights and the EMA state.
 * ``evaluate="both"`` (default): each validation (and test) epoch runs twice, first with the EMA weights,
   logging every metric the module logs under its name plus ``suffix`` (``val/acc`` -> ``val/acc_ema``),
   then with the live weights as usual. The EMA pass runs without the other callbacks, so checkpointing,
@@ -83,6 +86,7 @@ import torch
 from copy_correct._sharding import is_sharded, local, local_part, reshard
 from copy_correct.ema import EMA
 from copy_correct.errors import CheckpointMismatch
+from copy_correct.lightning._averaging_callback import averaged_module, named_as_the_module, named_as_the_submodule
 from copy_correct.lightning._distributed_state import names_keys, read_into, store_under_keys
 from copy_correct.lightning._lightning_internals import (
     EVALUATION_DISPATCH,
@@ -105,6 +109,7 @@ __all__ = ["EMAWeights"]
 
 _EVALUATE = ("both", "ema", "live")
 _CHECKPOINT_WEIGHTS = ("ema", "live")
+_NAMED = ("shadow", "layout")  # the EMA state's mappings by tensor name: the LightningModule's names in checkpoints
 _NEEDS = {  # the Lightning internals each evaluation mode goes through
     "both": (EVALUATION_RUN, EVALUATION_END_METRICS, RESULTS_TABLE),
     "ema": (EVALUATION_RUN,),
@@ -114,7 +119,8 @@ _NEEDS = {  # the Lightning internals each evaluation mode goes through
 
 class EMAWeights(pl.Callback):
     """Args: those of ``EMA`` (``decay`` … ``skip_nonfinite``), plus ``evaluate``, ``suffix``,
-    ``checkpoint_weights`` and ``ema_weights_at_end``."""
+    ``checkpoint_weights``, ``ema_weights_at_end`` and ``module`` (an attribute path of the LightningModule,
+    ``"generator"``; ``None``: all of it)."""
 
     def __init__(
         self,
@@ -135,6 +141,7 @@ class EMAWeights(pl.Callback):
         suffix: str = "_ema",
         checkpoint_weights: str = "ema",
         ema_weights_at_end: bool = False,
+        module: str | None = None,
     ) -> None:
         if evaluate not in _EVALUATE:
             raise ValueError(f"evaluate must be one of {_EVALUATE}, got {evaluate!r}")
@@ -161,6 +168,7 @@ class EMAWeights(pl.Callback):
         self.suffix = suffix
         self.checkpoint_weights = checkpoint_weights
         self.ema_weights_at_end = ema_weights_at_end
+        self.module = module or None
         self.ema: EMA | None = None
         self._pending: dict[str, Any] | None = None
         self._last_step = 0
@@ -173,16 +181,20 @@ class EMAWeights(pl.Callback):
 
     @property
     def state_key(self) -> str:
-        return self._generate_state_key(decay=self._ema_kwargs["decay"])
+        module = {"module": self.module} if self.module is not None else {}
+        return self._generate_state_key(decay=self._ema_kwargs["decay"], **module)
+
+    def _averaged(self, pl_module: pl.LightningModule) -> torch.nn.Module:
+        return averaged_module(pl_module, self.module, "EMAWeights")
 
     def _ensure_ema(self, pl_module: pl.LightningModule) -> EMA:
         if self.ema is None:
-            self.ema = EMA(pl_module, **self._ema_kwargs)
+            self.ema = EMA(self._averaged(pl_module), **self._ema_kwargs)
             if self._pending is not None:
                 self._load(self.ema, self._pending)
                 self._pending = None
         elif self.ema.live_model is None:  # a copy of this callback: its EMA's copy averages this module from now on
-            self.ema.track(pl_module)
+            self.ema.track(self._averaged(pl_module))
         return self.ema
 
     def __getstate__(self) -> dict[str, Any]:
@@ -198,6 +210,7 @@ class EMAWeights(pl.Callback):
         """Check that the Lightning internals ``evaluate`` needs are there (one ``RuntimeError`` line naming what is
         missing and the version installed), then wrap ``trainer.save_checkpoint`` and the evaluation loops' ``run``."""
         check(f"EMAWeights(evaluate={self.evaluate!r})", trainer, _NEEDS[self.evaluate])
+        self._averaged(pl_module)  # a module= the LightningModule lacks fails here, naming it
         self._trainer = trainer
         if "save_checkpoint" not in vars(trainer):  # kept after teardown: saves after fit hold what saves in it hold
             trainer.save_checkpoint = self._save_outside_the_pass(trainer.save_checkpoint)  # type: ignore[method-assign]
@@ -303,8 +316,8 @@ class EMAWeights(pl.Callback):
             self._last_step = trainer.global_step
             ema = self._ensure_ema(pl_module)
             if ema.include_buffers:  # the same buffers to average on every rank, as DDP would give them
-                self._broadcast.sync(trainer, pl_module)
-            ema.update(pl_module)
+                self._broadcast.sync(trainer, self._averaged(pl_module))
+            ema.update()
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Log how many updates ``skip_nonfinite`` skipped so far (``SkipLog``: one read of the counter per epoch, one
@@ -314,14 +327,14 @@ class EMAWeights(pl.Callback):
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.ema_weights_at_end and self.ema is not None:
-            self.ema.copy_to(pl_module)
+            self.ema.copy_to()
 
     # -- checkpoints ------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         if self.ema is None:
             return {} if self._pending is None else {"ema": self._pending}
-        return {"ema": self.ema.state_dict()}
+        return {"ema": named_as_the_module(self.ema.state_dict(), _NAMED, self.module)}
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -337,7 +350,8 @@ class EMAWeights(pl.Callback):
         weights = checkpoint["state_dict"]
         distributed = any(is_sharded(t) for t in weights.values())  # else one file, or no sharding at all
         if self.ema.sharded and not distributed:  # one file, written by rank 0 (the others' weights are empty here)
-            state["shadow"] = self.ema.full_state_dict()  # every rank joins the gathers
+            full = {"shadow": self.ema.full_state_dict()}  # every rank joins the gathers
+            state["shadow"] = named_as_the_module(full, _NAMED, self.module)["shadow"]
         if self.checkpoint_weights == "ema" and weights:
             ours["live"] = _average_into_weights(weights, state["shadow"])
         if distributed:  # every rank writes its shards
@@ -376,6 +390,7 @@ class EMAWeights(pl.Callback):
             self._load(self.ema, state_dict["ema"])
 
     def _load(self, ema: EMA, state: Mapping[str, Any]) -> None:
+        state = named_as_the_submodule(state, _NAMED, self.module)
         try:
             if names_keys(state.get("shadow")):
                 state = self._read_distributed_checkpoint(ema, state)
@@ -441,7 +456,7 @@ class _EMAPass:
 
     def __enter__(self) -> None:
         self._stack = ExitStack()
-        self._stack.enter_context(self._ema.average_weights(self._module))
+        self._stack.enter_context(self._ema.average_weights())
         if self._suffix is not None:
             self._stack.enter_context(_suffixed_logging(self._module, self._suffix))
             self._stack.enter_context(_quiet(self._trainer))
