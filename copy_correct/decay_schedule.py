@@ -22,6 +22,7 @@ used, bit for bit.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -29,7 +30,7 @@ import torch
 
 from copy_correct._checks import number, real, shown
 
-__all__ = ["WARMUPS", "DecaySchedule", "warmup_name"]
+__all__ = ["WARMUPS", "DecaySchedule", "schedule_differences", "warmup_name"]
 
 # the warm-ups by name; True is "power", False "none"
 WARMUPS = ("none", "copy", "power", "ratio")
@@ -113,3 +114,19 @@ class DecaySchedule:
     def state(self) -> dict[str, Any]:
         """The schedule as plain numbers and strings (loads with ``weights_only=True``)."""
         return asdict(self)
+
+
+def schedule_differences(saved: Any, ours: Mapping[str, Any]) -> list[str]:
+    """Each setting of ``saved`` (a state's ``schedule``) that is not ``ours``, as ``name saved (saved) vs ours``; a
+    setting the state lacks (saved before it existed) is not compared. A warm-up saved as a bool reads as its name."""
+    if not isinstance(saved, Mapping):
+        return [f"schedule {saved!r} is not a mapping"]
+    aliases = {True: "power", False: "none"}
+    out = []
+    for name, value in saved.items():
+        value = aliases.get(value, value) if name == "warmup" and isinstance(value, bool) else value
+        if name in ours and value != ours[name]:
+            out.append(f"{name} {value!r} (saved) vs {ours[name]!r} (this EMA)")
+        elif name not in ours:
+            out.append(f"{name} {value!r} (saved) is not a setting of this EMA")
+    return out

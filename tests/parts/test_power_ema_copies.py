@@ -58,7 +58,7 @@ def test_a_copy_holds_new_profiles_and_no_model_and_follows_the_original_once_gi
         t.untyped_storage().data_ptr() != ema.profiles[0][n].untyped_storage().data_ptr()
         for n, t in twin.profiles[0].items()
     )
-    with pytest.raises(ValueError, match="tracks no model yet"):
+    with pytest.raises(RuntimeError, match="tracks no model yet"):
         twin.update()
     for step in range(4, 8):
         train_step(model, step)
@@ -72,20 +72,20 @@ def test_ties_are_kept_and_a_model_that_is_not_the_profiles_is_refused(how: str)
     model = Tied()
     twin = COPIES[how](PowerEMA(model))
     assert twin.profiles[0]["encoder.weight"] is twin.profiles[0]["decoder.weight"]
-    with pytest.raises(ValueError, match=r"missing \['0.bias', '0.weight'\]"):
+    with pytest.raises(ValueError, match=r"the model has '0.weight', the shadow has not"):
         twin.track(nn.Sequential(nn.Linear(4, 4)))
-    with pytest.raises(ValueError, match=r"'encoder.weight' is \(3, 4\) in the model, \(4, 4\) in the profiles"):
+    with pytest.raises(ValueError, match=r"'encoder.weight' is \(4, 4\) torch.float32 in the shadow, \(3, 4\)"):
         other = Tied()
         other.encoder = nn.Linear(4, 3)
         other.decoder.weight = other.encoder.weight
         twin.track(other)
     untied = Tied()
     untied.decoder.weight = nn.Parameter(untied.encoder.weight.detach().clone())
-    with pytest.raises(ValueError, match="tied to other tensors"):
+    with pytest.raises(ValueError, match=r"'decoder.weight' is tied to another tensor in the shadow, not in the model"):
         twin.track(untied)
     assert twin.live_model is None  # refused: still a copy with no model
     twin.track(model)
-    with pytest.raises(ValueError, match="already tracks another model"):
+    with pytest.raises(ValueError, match="was built for another model object"):
         twin.track(Tied())
 
 
