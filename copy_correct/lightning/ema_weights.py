@@ -86,7 +86,7 @@ import torch
 from copy_correct._sharding import is_sharded, local, local_part, reshard
 from copy_correct.ema import EMA
 from copy_correct.errors import CheckpointMismatch
-from copy_correct.lightning._averaging_callback import averaged_module, named_as_the_module, named_as_the_submodule
+from copy_correct.lightning._averaging_callback import AveragingCallback, distributed, named_as_the_module
 from copy_correct.lightning._distributed_state import names_keys, read_into, store_under_keys
 from copy_correct.lightning._lightning_internals import (
     EVALUATION_DISPATCH,
@@ -101,15 +101,12 @@ from copy_correct.lightning._lightning_internals import (
     remove_run,
     unsupported,
 )
-from copy_correct.lightning._rank_zero_buffers import RankZeroBuffers
 from copy_correct.lightning._skip_log import SkipLog
-from copy_correct.target import skipped_updates
 
 __all__ = ["EMAWeights"]
 
 _EVALUATE = ("both", "ema", "live")
 _CHECKPOINT_WEIGHTS = ("ema", "live")
-_NAMED = ("shadow", "layout")  # the EMA state's mappings by tensor name: the LightningModule's names in checkpoints
 _NEEDS = {  # the Lightning internals each evaluation mode goes through
     "both": (EVALUATION_RUN, EVALUATION_END_METRICS, RESULTS_TABLE),
     "ema": (EVALUATION_RUN,),
@@ -117,10 +114,13 @@ _NEEDS = {  # the Lightning internals each evaluation mode goes through
 }
 
 
-class EMAWeights(pl.Callback):
+class EMAWeights(AveragingCallback):
     """Args: those of ``EMA`` (``decay`` … ``skip_nonfinite``), plus ``evaluate``, ``suffix``,
     ``checkpoint_weights``, ``ema_weights_at_end`` and ``module`` (an attribute path of the LightningModule,
     ``"generator"``; ``None``: all of it)."""
+
+    _owner, _state_name = "EMAWeights", "ema"
+    _named = ("shadow", "layout")  # the EMA state's mappings by name: the LightningModule's names in checkpoints
 
     def __init__(
         self,
@@ -168,31 +168,24 @@ class EMAWeights(pl.Callback):
         self.suffix = suffix
         self.checkpoint_weights = checkpoint_weights
         self.ema_weights_at_end = ema_weights_at_end
-        self.module = module or None
+        super().__init__(module, SkipLog("ema/skipped", "EMA"))
         self.ema: EMA | None = None
-        self._pending: dict[str, Any] | None = None
-        self._last_step = 0
         self._wrapped: list[Any] = []  # the evaluation loops whose run setup wrapped, for teardown
         self._in_run = False  # inside a run setup wrapped: each evaluation's start checks it
         self._pass: _EMAPass | None = None  # the EMA evaluation in progress
-        self._trainer: pl.Trainer | None = None
-        self._broadcast = RankZeroBuffers()
-        self._skips = SkipLog("ema/skipped", "EMA")
 
     @property
     def state_key(self) -> str:
-        module = {"module": self.module} if self.module is not None else {}
-        return self._generate_state_key(decay=self._ema_kwargs["decay"], **module)
+        return self._key(decay=self._ema_kwargs["decay"])
 
-    def _averaged(self, pl_module: pl.LightningModule) -> torch.nn.Module:
-        return averaged_module(pl_module, self.module, "EMAWeights")
+    @property
+    def _averager(self) -> EMA | None:
+        return self.ema
 
     def _ensure_ema(self, pl_module: pl.LightningModule) -> EMA:
         if self.ema is None:
             self.ema = EMA(self._averaged(pl_module), **self._ema_kwargs)
-            if self._pending is not None:
-                self._load(self.ema, self._pending)
-                self._pending = None
+            self._restore_pending(self.ema)
         elif self.ema.live_model is None:  # a copy of this callback: its EMA's copy averages this module from now on
             self.ema.track(self._averaged(pl_module))
         return self.ema
@@ -201,8 +194,7 @@ class EMAWeights(pl.Callback):
         """What ``pickle`` and ``copy.deepcopy`` copy: the settings, the step and the EMA (a copy that tracks no model
         until the next ``fit``, ``validate`` or ``test`` gives it the module: ``copy_correct.ema``), not the trainer,
         the wrappers ``setup`` installed in it, nor an evaluation in progress."""
-        fresh = {"_trainer": None, "_wrapped": [], "_in_run": False, "_pass": None, "_broadcast": RankZeroBuffers()}
-        return {**self.__dict__, **fresh}
+        return {**super().__getstate__(), "_wrapped": [], "_in_run": False, "_pass": None}
 
     # -- wiring the evaluation passes -------------------------------------------------------------------
 
@@ -210,8 +202,7 @@ class EMAWeights(pl.Callback):
         """Check that the Lightning internals ``evaluate`` needs are there (one ``RuntimeError`` line naming what is
         missing and the version installed), then wrap ``trainer.save_checkpoint`` and the evaluation loops' ``run``."""
         check(f"EMAWeights(evaluate={self.evaluate!r})", trainer, _NEEDS[self.evaluate])
-        self._averaged(pl_module)  # a module= the LightningModule lacks fails here, naming it
-        self._trainer = trainer
+        super().setup(trainer, pl_module, stage)
         if "save_checkpoint" not in vars(trainer):  # kept after teardown: saves after fit hold what saves in it hold
             trainer.save_checkpoint = self._save_outside_the_pass(trainer.save_checkpoint)  # type: ignore[method-assign]
         if self.evaluate == "live":
@@ -304,37 +295,19 @@ class EMAWeights(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._ensure_ema(pl_module)
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        # Not in on_fit_start: Lightning restores the loop counters of a resumed run between the two, and a
-        # global_step read before that (0) made the first micro-batch after a resume count as an optimizer step.
-        self._last_step = trainer.global_step
-
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if trainer.global_step > self._last_step:  # an optimizer step happened in this batch
-            self._last_step = trainer.global_step
+        if self._stepped(trainer):
             ema = self._ensure_ema(pl_module)
-            if ema.include_buffers:  # the same buffers to average on every rank, as DDP would give them
-                self._broadcast.sync(trainer, self._averaged(pl_module))
+            self._sync_buffers(trainer, ema)  # the same buffers to average on every rank, as DDP would give them
             ema.update()
-
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Log how many updates ``skip_nonfinite`` skipped so far (``SkipLog``: one read of the counter per epoch, one
-        warning the first time an epoch skips)."""
-        if self.ema is not None and self.ema.skip_nonfinite:
-            self._skips.epoch_end(pl_module, skipped_updates(self.ema))
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.ema_weights_at_end and self.ema is not None:
             self.ema.copy_to()
 
     # -- checkpoints ------------------------------------------------------------------------------------
-
-    def state_dict(self) -> dict[str, Any]:
-        if self.ema is None:
-            return {} if self._pending is None else {"ema": self._pending}
-        return {"ema": named_as_the_module(self.ema.state_dict(), _NAMED, self.module)}
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -348,13 +321,13 @@ class EMAWeights(pl.Callback):
         if self.ema is None or state is None:
             return
         weights = checkpoint["state_dict"]
-        distributed = any(is_sharded(t) for t in weights.values())  # else one file, or no sharding at all
-        if self.ema.sharded and not distributed:  # one file, written by rank 0 (the others' weights are empty here)
+        in_directory = distributed(weights)
+        if self.ema.sharded and not in_directory:  # one file, written by rank 0 (the others' weights are empty here)
             full = {"shadow": self.ema.full_state_dict()}  # every rank joins the gathers
-            state["shadow"] = named_as_the_module(full, _NAMED, self.module)["shadow"]
+            state["shadow"] = named_as_the_module(full, self._named, self.module)["shadow"]
         if self.checkpoint_weights == "ema" and weights:
             ours["live"] = _average_into_weights(weights, state["shadow"])
-        if distributed:  # every rank writes its shards
+        if in_directory:  # every rank writes its shards
             state["shadow"] = store_under_keys(weights, state["shadow"], f"{self.state_key}/ema/shadow")
             if "live" in ours:
                 ours["live"] = store_under_keys(weights, ours["live"], f"{self.state_key}/live")
@@ -381,37 +354,18 @@ class EMAWeights(pl.Callback):
         except ValueError as err:
             raise CheckpointMismatch(str(err)) from err
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "ema" not in state_dict:
-            return
-        if self.ema is None:
-            self._pending = state_dict["ema"]
-        else:
-            self._load(self.ema, state_dict["ema"])
-
-    def _load(self, ema: EMA, state: Mapping[str, Any]) -> None:
-        state = named_as_the_submodule(state, _NAMED, self.module)
-        try:
-            if names_keys(state.get("shadow")):
-                state = self._read_distributed_checkpoint(ema, state)
-            ema.load_state_dict(state)
-            self._skips.resumed(int(state.get("skipped", 0)))
-        except ValueError as err:
-            raise CheckpointMismatch(str(err)) from err
-
-    def _read_distributed_checkpoint(self, ema: EMA, state: Mapping[str, Any]) -> dict[str, Any]:
-        """The state with its shadow read from the distributed checkpoint being restored (every rank its shards),
-        after checking that it is spread as the model is: ``torch.distributed.checkpoint`` would reshard silently."""
+    def _read(self, ema: EMA, state: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The state, its shadow read from the distributed checkpoint being restored where it names keys there (every
+        rank its shards), after checking that it is spread as the model is: ``torch.distributed.checkpoint`` would
+        reshard silently."""
+        if not names_keys(state.get("shadow")):
+            return state
         keys: Mapping[str, str] = state["shadow"]
         holders = {name: torch.empty_like(ema.shadow[name]) if name in ema.shadow else None for name in keys}
         read = {**state, "shadow": holders}
         ema.check_state(read)
         read_into(holders, keys, self._ckpt_path)
         return read
-
-    @property
-    def _ckpt_path(self) -> str | None:
-        return self._trainer.ckpt_path if self._trainer is not None else None
 
 
 def _average_into_weights(

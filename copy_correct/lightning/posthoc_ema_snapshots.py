@@ -70,6 +70,7 @@ or in Python, from the run's last checkpoint (one file) and ``synthesize`` (the 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -79,21 +80,21 @@ import torch
 from copy_correct._atomic_save import atomic_save
 from copy_correct._link_or_copy import link_or_copy
 from copy_correct._sharding import is_sharded, layout
-from copy_correct.errors import CheckpointMismatch
+from copy_correct.lightning._averaging_callback import AveragingCallback, distributed
 from copy_correct.lightning._distributed_state import read_into, store_under_keys
-from copy_correct.lightning._rank_zero_buffers import RankZeroBuffers
 from copy_correct.lightning._skip_log import SkipLog
 from copy_correct.posthoc_ema import load_snapshot, snapshot_paths
 from copy_correct.power_ema import PowerEMA, snapshot_name
-from copy_correct.target import skipped_updates
 
 __all__ = ["PostHocEMASnapshots"]
 
 
-class PostHocEMASnapshots(pl.Callback):
+class PostHocEMASnapshots(AveragingCallback):
     """Args: those of ``PowerEMA`` (``sigma_rels`` ... ``skip_nonfinite``); ``snapshot_dir`` defaults to
     ``power_ema/`` in the checkpoint directory; ``module``: the submodule to average (an attribute path of the
     LightningModule, ``"generator"``), ``None`` for all of it."""
+
+    _owner, _state_name = "PostHocEMASnapshots", "power_ema"
 
     def __init__(
         self,
@@ -118,14 +119,9 @@ class PostHocEMASnapshots(pl.Callback):
         PowerEMA(torch.nn.BatchNorm1d(1), snapshot_every=snapshot_every, snapshot_dir=".", **self._kwargs)
         self.snapshot_every = snapshot_every
         self.snapshot_dir = Path(snapshot_dir) if snapshot_dir is not None else None
-        self.module = module or None
+        super().__init__(module, SkipLog("posthoc_ema/skipped", "PowerEMA"))
         self._directory: Path | None = None  # where this rank writes snapshots; None: it writes none (rank > 0)
-        self._trainer: pl.Trainer | None = None
-        self._broadcast = RankZeroBuffers()
-        self._skips = SkipLog("posthoc_ema/skipped", "PowerEMA")
         self.power_ema: PowerEMA | None = None
-        self._pending: dict[str, Any] | None = None
-        self._last_step = 0
         self._fit_start_step = 0  # the profiles' step when this fit started training
         self._written: Path | None = None  # this fit's last snapshot
         self._stale: Path | None = None  # the final snapshot of the fit this one resumed, removed at the next one
@@ -134,8 +130,11 @@ class PostHocEMASnapshots(pl.Callback):
 
     @property
     def state_key(self) -> str:
-        module = {"module": self.module} if self.module is not None else {}
-        return self._generate_state_key(sigma_rels=self._kwargs["sigma_rels"], **module)
+        return self._key(sigma_rels=self._kwargs["sigma_rels"])
+
+    @property
+    def _averager(self) -> PowerEMA | None:
+        return self.power_ema
 
     @property
     def writes(self) -> bool:
@@ -143,28 +142,20 @@ class PostHocEMASnapshots(pl.Callback):
         started."""
         return self._directory is not None
 
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._trainer = trainer
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_trainer": None, "_broadcast": RankZeroBuffers()}
-
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.power_ema is not None:
             if self.power_ema.live_model is None:  # a copy (pickle, copy.deepcopy) of a callback: it gets the module
-                self.power_ema.track(_submodule(pl_module, self.module))
+                self.power_ema.track(self._averaged(pl_module))
             return
         # The callback writes the snapshots itself (on_train_batch_end), named as the LightningModule's state_dict.
-        power_ema = PowerEMA(_submodule(pl_module, self.module), **self._kwargs)
+        power_ema = PowerEMA(self._averaged(pl_module), **self._kwargs)
         directory = self.snapshot_dir or _checkpoint_dir(trainer) / "power_ema"
         self._directory = directory if power_ema.sharded or trainer.global_rank == 0 else None
-        if self._pending is not None:
-            self._load(power_ema, self._pending)
-            self._pending = None
+        self._restore_pending(power_ema)
         self.power_ema = power_ema
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._last_step = trainer.global_step  # after Lightning restored a resumed run's counters
+        super().on_train_start(trainer, pl_module)
         self._written = self._stale = None
         self.carried = []
         if self.power_ema is not None and self._directory is not None:
@@ -187,19 +178,12 @@ class PostHocEMASnapshots(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if trainer.global_step > self._last_step and self.power_ema is not None:  # an optimizer step in this batch
-            self._last_step = trainer.global_step
-            if self.power_ema.sharded and self.power_ema.include_buffers and self.power_ema.live_model is not None:
-                self._broadcast.sync(trainer, self.power_ema.live_model)  # the same buffers on every rank
+        if self.power_ema is not None and self._stepped(trainer):
+            if self.power_ema.sharded:  # every rank snapshots its own: the same buffers on all (DDP: rank 0 writes)
+                self._sync_buffers(trainer, self.power_ema)
             self.power_ema.update()
             if self._directory is not None and self.power_ema.step % self.snapshot_every == 0:
                 self.save_snapshot(self._directory)
-
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Log how many updates ``skip_nonfinite`` skipped so far (``SkipLog``: one read of the counter per epoch, one
-        warning the first time an epoch skips)."""
-        if self.power_ema is not None and self.power_ema.skip_nonfinite:
-            self._skips.epoch_end(pl_module, skipped_updates(self.power_ema))
 
     def save_snapshot(self, directory: str | Path, *, final: bool = False) -> Path:
         """Write the profiles as they are now to ``directory / snapshot_name(step)`` atomically (what the schedule
@@ -262,10 +246,10 @@ class PostHocEMASnapshots(pl.Callback):
     # -- checkpoints ----------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        previous = {"previous_snapshot": self._previous} if self._previous is not None else {}
-        if self.power_ema is None:
-            return {} if self._pending is None else {"power_ema": self._pending, **previous}
-        return {"power_ema": self.power_ema.state_dict(), **previous}
+        state = super().state_dict()
+        if state and self._previous is not None:
+            state["previous_snapshot"] = self._previous
+        return state
 
     def on_save_checkpoint(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
@@ -278,7 +262,7 @@ class PostHocEMASnapshots(pl.Callback):
         profiles = self.power_ema.profiles
         state["layout"] = {name: layout(t) for name, t in profiles[0].items()}
         weights = checkpoint["state_dict"]
-        if any(is_sharded(t) for t in weights.values()):  # a distributed checkpoint: every rank writes its shards
+        if distributed(weights):  # every rank writes its shards
             # Buffers, whole on every rank and not synchronised by FSDP2, stay in the callback state: rank 0's.
             state["profiles"] = [
                 profile | store_under_keys(weights, {n: t for n, t in profile.items() if is_sharded(t)},
@@ -289,56 +273,34 @@ class PostHocEMASnapshots(pl.Callback):
             state["profiles"] = [_full(profile) for profile in profiles]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "power_ema" not in state_dict:
-            return
-        self._previous = state_dict.get("previous_snapshot")  # None from a checkpoint written before it was kept
-        if self.power_ema is None:
-            self._pending = state_dict["power_ema"]
-        else:
-            self._load(self.power_ema, state_dict["power_ema"])
+        if "power_ema" in state_dict:
+            self._previous = state_dict.get("previous_snapshot")  # None from a checkpoint written before it was kept
+        super().load_state_dict(state_dict)
 
-    def _load(self, power_ema: PowerEMA, state: dict[str, Any]) -> None:
-        """Restore ``state``: from the distributed checkpoint being read when it names keys there, after checking
-        that it is spread as the model is (``torch.distributed.checkpoint`` would reshard silently)."""
-        try:
-            spread = state.get("layout")
-            if spread is not None:
-                now = {name: layout(t) for name, t in power_ema.profiles[0].items()}
-                differ = sorted(name for name in now if spread.get(name, now[name]) != now[name])
-                if differ:
-                    raise ValueError(
-                        f"the PowerEMA state for {differ[0]!r} is {spread[differ[0]]}, the model's is "
-                        f"{now[differ[0]]}: a run's profiles and snapshot files are of one spread"
-                    )
-            if any(isinstance(v, str) for saved in state["profiles"] for v in saved.values()):
-                path = self._trainer.ckpt_path if self._trainer is not None else None
-                read = [
-                    {name: torch.empty_like(profile[name]) if name in profile else None for name, v in saved.items()
-                     if isinstance(v, str)}
-                    for profile, saved in zip(power_ema.profiles, state["profiles"], strict=False)
-                ]  # fmt: skip
-                profiles = [saved | holders for saved, holders in zip(state["profiles"], read, strict=False)]
-                power_ema.check_state({**state, "profiles": profiles})  # before reading: names and spreads agree
-                for holders, saved in zip(read, state["profiles"], strict=True):
-                    read_into(holders, {name: saved[name] for name in holders}, path)
-                state = {**state, "profiles": profiles}
-            power_ema.load_state_dict(state)
-            self._skips.resumed(int(state.get("skipped", 0)))
-        except ValueError as err:
-            raise CheckpointMismatch(str(err)) from err
-
-
-def _submodule(pl_module: pl.LightningModule, module: str | None) -> torch.nn.Module:
-    if module is None:
-        return pl_module
-    try:
-        return pl_module.get_submodule(module)
-    except AttributeError:
-        children = ", ".join(name for name, _ in pl_module.named_children())
-        raise ValueError(
-            f"PostHocEMASnapshots module={module!r}: {type(pl_module).__name__} has no such submodule "
-            f"(its children: {children})"
-        ) from None
+    def _read(self, power_ema: PowerEMA, state: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The state, its profiles read from the distributed checkpoint being restored where it names keys there,
+        after checking that it is spread as the model is (``torch.distributed.checkpoint`` would reshard silently)."""
+        spread = state.get("layout")
+        if spread is not None:
+            now = {name: layout(t) for name, t in power_ema.profiles[0].items()}
+            differ = sorted(name for name in now if spread.get(name, now[name]) != now[name])
+            if differ:
+                raise ValueError(
+                    f"the PowerEMA state for {differ[0]!r} is {spread[differ[0]]}, the model's is "
+                    f"{now[differ[0]]}: a run's profiles and snapshot files are of one spread"
+                )
+        if not any(isinstance(v, str) for saved in state["profiles"] for v in saved.values()):
+            return state
+        read = [
+            {name: torch.empty_like(profile[name]) if name in profile else None for name, v in saved.items()
+             if isinstance(v, str)}
+            for profile, saved in zip(power_ema.profiles, state["profiles"], strict=False)
+        ]  # fmt: skip
+        profiles = [saved | holders for saved, holders in zip(state["profiles"], read, strict=False)]
+        power_ema.check_state({**state, "profiles": profiles})  # before reading: names and spreads agree
+        for holders, saved in zip(read, state["profiles"], strict=True):
+            read_into(holders, {name: saved[name] for name in holders}, self._ckpt_path)
+        return {**state, "profiles": profiles}
 
 
 def _full(profile: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
