@@ -77,12 +77,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from functools import partial
+from inspect import signature
 from itertools import zip_longest
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
+from copy_correct._average_settings import ema_settings
 from copy_correct._sharding import is_sharded, local, local_part, reshard
 from copy_correct.ema import EMA
 from copy_correct.errors import CheckpointMismatch
@@ -105,6 +107,7 @@ from copy_correct.lightning._skip_log import SkipLog
 
 __all__ = ["EMAWeights"]
 
+_EMA_ARGUMENTS = tuple(signature(ema_settings).parameters)[1:]  # EMA's keywords after decay
 _EVALUATE = ("both", "ema", "live")
 _CHECKPOINT_WEIGHTS = ("ema", "live")
 _NEEDS = {  # the Lightning internals each evaluation mode goes through
@@ -115,9 +118,10 @@ _NEEDS = {  # the Lightning internals each evaluation mode goes through
 
 
 class EMAWeights(AveragingCallback):
-    """Args: those of ``EMA`` (``decay`` … ``skip_nonfinite``), plus ``evaluate``, ``suffix``,
-    ``checkpoint_weights``, ``ema_weights_at_end`` and ``module`` (an attribute path of the LightningModule,
-    ``"generator"``; ``None``: all of it)."""
+    """Args: ``decay`` and, as keywords, the other arguments of ``EMA`` (``warmup`` … ``skip_nonfinite``: ``ema``,
+    checked here as ``EMA`` checks them, without building one), plus ``evaluate``, ``suffix``, ``checkpoint_weights``,
+    ``ema_weights_at_end`` and ``module`` (an attribute path of the LightningModule, ``"generator"``; ``None``: all of
+    it)."""
 
     _owner, _state_name = "EMAWeights", "ema"
     _named = ("shadow", "layout")  # the EMA state's mappings by name: the LightningModule's names in checkpoints
@@ -126,22 +130,12 @@ class EMAWeights(AveragingCallback):
         self,
         decay: float = 0.999,
         *,
-        warmup: bool | str = True,
-        warmup_power: float = 2 / 3,
-        warmup_gamma: float = 1.0,
-        warmup_offset: float = 0.0,
-        min_decay: float = 0.0,
-        update_every: int = 1,
-        start_step: int = 0,
-        include_buffers: bool = True,
-        shadow_dtype: torch.dtype | None = None,
-        device: str | None = None,
-        skip_nonfinite: bool = False,
         evaluate: str = "both",
         suffix: str = "_ema",
         checkpoint_weights: str = "ema",
         ema_weights_at_end: bool = False,
         module: str | None = None,
+        **ema: Any,
     ) -> None:
         if evaluate not in _EVALUATE:
             raise ValueError(f"evaluate must be one of {_EVALUATE}, got {evaluate!r}")
@@ -149,21 +143,14 @@ class EMAWeights(AveragingCallback):
             raise ValueError(f"checkpoint_weights must be one of {_CHECKPOINT_WEIGHTS}, got {checkpoint_weights!r}")
         if not suffix:
             raise ValueError("suffix must be a non-empty string")
-        self._ema_kwargs: dict[str, Any] = {
-            "decay": decay,
-            "warmup": warmup,
-            "warmup_power": warmup_power,
-            "warmup_gamma": warmup_gamma,
-            "warmup_offset": warmup_offset,
-            "min_decay": min_decay,
-            "update_every": update_every,
-            "start_step": start_step,
-            "include_buffers": include_buffers,
-            "shadow_dtype": shadow_dtype,
-            "device": device,
-            "skip_nonfinite": skip_nonfinite,
-        }
-        EMA(torch.nn.BatchNorm1d(1), **self._ema_kwargs)  # bad arguments fail now; no random init drawn
+        unknown = sorted(set(ema) - set(_EMA_ARGUMENTS))
+        if unknown:
+            raise TypeError(
+                f"EMAWeights got an unexpected argument {unknown[0]!r}: it takes decay, {', '.join(_EMA_ARGUMENTS)} "
+                "(EMA's), evaluate, suffix, checkpoint_weights, ema_weights_at_end and module"
+            )
+        ema_settings(decay, **ema)  # bad values fail now, in EMA's words; the EMA is built when fit starts
+        self._ema_kwargs: dict[str, Any] = {"decay": decay, **ema}
         self.evaluate = evaluate
         self.suffix = suffix
         self.checkpoint_weights = checkpoint_weights

@@ -78,6 +78,7 @@ import lightning.pytorch as pl
 import torch
 
 from copy_correct._atomic_save import atomic_save
+from copy_correct._average_settings import power_ema_settings
 from copy_correct._link_or_copy import link_or_copy
 from copy_correct._sharding import is_sharded, layout
 from copy_correct.lightning._averaging_callback import AveragingCallback, distributed
@@ -108,15 +109,16 @@ class PostHocEMASnapshots(AveragingCallback):
         skip_nonfinite: bool = False,
         module: str | None = None,
     ) -> None:
-        self._kwargs: dict[str, Any] = {
-            "sigma_rels": tuple(sigma_rels),
+        settings: dict[str, Any] = {
             "update_every": update_every,
             "include_buffers": include_buffers,
             "shadow_dtype": shadow_dtype,
             "skip_nonfinite": skip_nonfinite,
         }
-        # Bad arguments fail now; on a BatchNorm, whose construction draws nothing from the run's random generator.
-        PowerEMA(torch.nn.BatchNorm1d(1), snapshot_every=snapshot_every, snapshot_dir=".", **self._kwargs)
+        # Bad values fail now, in PowerEMA's words; the PowerEMA is built when fit starts. The directory stands in for
+        # the one fit picks, so that snapshot_every is checked against update_every.
+        checked = power_ema_settings(sigma_rels, snapshot_every=snapshot_every, snapshot_dir=".", **settings)
+        self._kwargs: dict[str, Any] = {"sigma_rels": checked.sigma_rels, **settings}
         self.snapshot_every = snapshot_every
         self.snapshot_dir = Path(snapshot_dir) if snapshot_dir is not None else None
         super().__init__(module, SkipLog("posthoc_ema/skipped", "PowerEMA"))

@@ -420,6 +420,26 @@ def test_bad_arguments_fail_at_construction() -> None:
         EMAWeights(evaluate="sometimes")
     with pytest.raises(ValueError, match="decay must be in"):
         EMAWeights(decay=1.5)
+    with pytest.raises(TypeError, match=r"^EMAWeights got an unexpected argument 'decay_rate': it takes decay, warmup"):
+        EMAWeights(decay_rate=0.9)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"decay": 1.5}, {"warmup_power": "x"}, {"update_every": 0}, {"start_step": True}, {"shadow_dtype": torch.int64},
+     {"device": 3}, {"skip_nonfinite": "yes"}, {"warmup": "sometimes"}],
+)  # fmt: skip
+def test_the_callback_refuses_a_bad_ema_argument_in_the_words_of_ema_without_building_one(
+    bad: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises((TypeError, ValueError)) as by_ema:
+        EMA(nn.Linear(1, 1), **bad)
+    import copy_correct.lightning.ema_weights as ema_weights
+
+    monkeypatch.setattr(ema_weights, "EMA", None)  # no EMA to build before fit
+    with pytest.raises(by_ema.type) as by_callback:
+        EMAWeights(**bad)
+    assert str(by_callback.value) == str(by_ema.value)
 
 
 def test_constructing_the_callback_draws_nothing_from_the_global_random_generator() -> None:
@@ -427,7 +447,7 @@ def test_constructing_the_callback_draws_nothing_from_the_global_random_generato
     state = torch.get_rng_state()
     EMAWeights(decay=0.9)
     assert torch.equal(torch.get_rng_state(), state)
-    nn.Linear(1, 1)  # the control: the module the callback built to check its arguments draws its weights
+    nn.Linear(1, 1)  # the control: a module built to check the arguments on would draw its weights
     assert not torch.equal(torch.get_rng_state(), state)
 
 

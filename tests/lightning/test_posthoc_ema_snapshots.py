@@ -268,6 +268,24 @@ def test_bad_arguments_fail_at_construction_which_draws_nothing_from_the_generat
         PostHocEMASnapshots(sigma_rels=(0.05, 0.5))
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [{"sigma_rels": 0.05}, {"sigma_rels": (0.05, 0.05)}, {"update_every": 0}, {"include_buffers": 1},
+     {"shadow_dtype": torch.int64}, {"skip_nonfinite": "yes"}],
+)  # fmt: skip
+def test_the_callback_refuses_a_bad_power_ema_argument_in_its_words_without_building_one(
+    bad: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises((TypeError, ValueError)) as by_power_ema:
+        PowerEMA(nn.Linear(1, 1), **bad)
+    import copy_correct.lightning.posthoc_ema_snapshots as snapshots
+
+    monkeypatch.setattr(snapshots, "PowerEMA", None)  # no PowerEMA to build before fit
+    with pytest.raises(by_power_ema.type) as by_callback:
+        PostHocEMASnapshots(**bad)
+    assert str(by_callback.value) == str(by_power_ema.value)
+
+
 def test_under_ddp_rank_zero_alone_writes_the_snapshots(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "workers" / "ddp_posthoc_ema.py"), str(tmp_path)],
