@@ -1,81 +1,33 @@
-"""``EMAWeights``: keep an ``EMA`` of a LightningModule during ``fit``, evaluate with it, checkpoint it.
+"""``EMAWeights``: an ``EMA`` of a LightningModule, or of one submodule (``module="generator"``), during ``fit``,
+evaluated with and checkpointed. The manual's ema page (``docs/recipes/ema.md``, decisions 3 to 9) is the full
+account, each claim with its test; the scale-out guide has the sharded one.
 
-Copy contract: the shadow is the ``EMA``'s own tensors (see ``copy_correct.ema``), never a deep copy of the
-LightningModule and never in its ``parameters()``; evaluation copies the average into the module and the live values
-back, bit for bit, through one backup of the live values held for the pass; nothing the pass writes into the module
-reaches the average.
+Copy contract:
 
-* Updates after every optimizer step (so once per ``accumulate_grad_batches`` batches), from
-  ``start_step`` on, every ``update_every`` steps. The step is read once training starts, after Lightning restored a
-  resumed run's counters, so a resumed run makes exactly the updates the uninterrupted one makes, with any
-  accumulation (``tests/lightning/test_ema_weights.py`` resumes at every step).
-* ``module`` names the one submodule to average (``"generator"`` of a GAN), ``None`` the whole LightningModule:
-  evaluation swaps, ``ema_weights_at_end`` and the buffer broadcast touch that submodule only, and checkpoints name its
-  average as the LightningModule's ``state_dict`` does (``generator.net.0.weight``), in the weights and the EMA state.
-* ``evaluate="both"`` (default): each validation (and test) epoch runs twice, first with the EMA weights,
-  logging every metric the module logs under its name plus ``suffix`` (``val/acc`` -> ``val/acc_ema``),
-  then with the live weights as usual. The EMA pass runs without the other callbacks, so checkpointing,
-  early stopping and the progress bar act once, on the live pass, and see both sets of metrics. Both sets go where
-  Lightning puts an evaluation's results: ``trainer.validate`` and ``trainer.test`` return them in one dict per
-  dataloader and print them in one table, and the loggers get each epoch's in one call (one row of ``CSVLogger``'s
-  ``metrics.csv``): the EMA pass's epoch-end metrics are held back and logged with the live pass's. This goes through
-  Lightning 2.6's internals (``copy_correct.lightning._lightning_internals``): the evaluation loops' ``run``, wrapped on
-  each loop instance, the logger connector's ``log_eval_end_metrics`` and the evaluation loop's ``_print_results``.
-  ``setup`` checks that they are there, and each evaluation's start that it runs inside the wrapper: another Lightning
-  stops the run with one ``RuntimeError`` line naming what is missing and the version installed, never drops the EMA
-  metrics silently (``"ema"`` needs the wrapper only). Metrics logged with ``on_step=True`` still get a row per pass
-  and batch.
-  ``"ema"``: evaluate with the EMA weights only, under the module's own names. ``"live"``: no EMA evaluation.
-* ``checkpoint_weights="ema"`` (default): a checkpoint's weights (``state_dict``) are the average, so
-  ``MyModule.load_from_checkpoint(path)`` returns the averaged model, as Lightning's ``EMAWeightAveraging`` does; the
-  live weights go into the callback state (``live``) and ``trainer.fit(ckpt_path=...)`` with this callback copies them
-  back into the module after Lightning loaded the average, so resuming stays bit-exact. Where the shadow's dtype is
-  the weights', ``state_dict`` and the EMA state hold the same tensors, which ``torch.save`` stores once. A
-  weights-only save holds the average (the module holds it while Lightning saves). ``"live"``: ``state_dict`` holds the
-  live weights and the average is only in the EMA state. Resumed without this callback, a checkpoint of ``"ema"``
-  trains on from the average (Lightning warns that the checkpoint's callback is missing).
-* Checkpoints hold the EMA state (callback state, tensors and numbers only: loads with
-  ``weights_only=True``); resuming restores it, so a resumed run continues the same average.
-* ``skip_nonfinite=True`` (opt-in, ``copy_correct.ema`` says what it costs): an update whose live weights or floating
-  buffers hold a NaN or an Inf is skipped, the average kept bit for bit; the
-  count is logged as ``ema/skipped`` at the end of each training epoch, read once per epoch (on a GPU a sync), never
-  per step, and the first epoch that skips warns once (``copy_correct.lightning._skip_log``).
-* Whenever a checkpoint is saved, it holds the same thing: a save during an EMA pass (``ModelCheckpoint`` on
-  validation end, a mid-epoch validation, a callback or module hook calling ``trainer.save_checkpoint``, weights-only
-  ones included) steps out of the pass: the live weights are copied back for the save and the average in after it,
-  with every callback present even while the ``"both"`` pass silences them. An exception in a pass, or
-  ``KeyboardInterrupt``, restores the live weights before Lightning's ``on_exception`` hooks
-  (``OnExceptionCheckpoint``) run. To keep the EMA weights as a model, use ``callback.ema.export()``.
-* After ``fit`` (and ``validate``, ``test``), ``teardown`` takes the evaluation wrappers away but leaves the save
-  wrapper in the trainer, so ``trainer.save_checkpoint`` then holds what a save during ``fit`` holds: weights-only, the
-  average (``"live"``: the live weights); a full checkpoint, what one saved as ``fit`` ended holds (the average as the
-  weights, the module's weights as the live ones, the EMA state), from which ``ckpt_path=`` trains on.
-* ``ema_weights_at_end=True`` writes the EMA weights into the module when ``fit`` ends; a checkpoint saved after that
-  holds the average as the live weights too (the live weights it replaced are kept nowhere).
-* ``pickle`` and ``copy.deepcopy`` copy the callback without the trainer, the wrappers ``setup`` installed or an
-  evaluation in progress; its EMA is copied as ``copy_correct.ema`` says (the average in new storage, no model), and
-  the next ``fit``, ``validate`` or ``test`` gives it the module.
-* Under DDP every rank keeps its own EMA. Parameters are identical across ranks after each step, but
-  BatchNorm statistics are not (each rank's forward updates its own; DDP copies rank 0's only at the next
-  forward), so before each update the callback broadcasts rank 0's floating buffers, as DDP would: the
-  shadows are then identical on every rank.
-* Sharded (FSDP2, Lightning's ``ModelParallelStrategy``): each rank keeps the shadow of its own shards (see
-  ``copy_correct.ema``), updated with no collective. FSDP2 shards parameters only: buffers stay whole on every rank
-  and nothing ever synchronises them, so the broadcast above runs here too (the live buffers then agree on every
-  rank, which is also what a distributed checkpoint keeps: one copy of a tensor that is not sharded). Checkpoints
-  hold the average in the form Lightning gives the weights: with a distributed checkpoint (a directory, the
-  default), the shadow's shards are written into it beside the weights' (each rank writes its own; the callback
-  state keeps the counters, the layout and each tensor's key there; with ``checkpoint_weights="ema"`` the weights'
-  entries are the average and the live shards get keys of their own) and read back from it on resume; with
-  ``save_distributed_checkpoint=False`` (one file of full weights), the average is gathered into full tensors for
-  it, and each rank takes its own part back on resume. Either way a checkpoint spread otherwise than the model
-  (another world size or placement) is refused, naming both (``CheckpointMismatch``, a ``ValueError``).
+* Shared with the module: nothing. The shadow is the ``EMA``'s own tensors (``copy_correct.ema``), never a deep copy
+  of the LightningModule and never in its ``parameters()``. A checkpoint of ``checkpoint_weights="ema"`` (the default,
+  so ``load_from_checkpoint`` returns the average) holds the shadow's own tensors as its weights, so ``torch.save``
+  writes them once for both entries where the dtypes agree; the live weights it replaced go into the callback state,
+  from which ``fit(ckpt_path=...)`` copies them back into the module in place. Names are the LightningModule's
+  (``generator.net.0.weight``) in the weights and in the EMA state.
+* New storage: one backup of the live values for the length of an evaluation with the average (``average_weights``).
+* Autograd sees nothing: the update runs after each optimizer step (once per ``accumulate_grad_batches`` batches,
+  counted from the step Lightning restored), in place under ``no_grad``. Nothing an evaluation pass writes into the
+  module reaches the average, and the live values come back bit for bit, after an exception too, before Lightning's
+  ``on_exception`` hooks. A save during an EMA pass (or after ``fit``) steps out of it: it holds what any save holds.
+* ``evaluate="both"``: each validation and test epoch runs with the average (metrics suffixed, ``val/acc_ema``, the
+  other callbacks silenced), then live; both sets in one result dict and one logger row, through Lightning internals
+  that ``setup`` checks (``_lightning_internals``: another Lightning stops the run in one line). ``"ema"``: the
+  average alone, under the module's names; ``"live"``: no EMA evaluation.
+* DDP and FSDP2: rank 0's floating buffers are broadcast into the averaged module before each update, so every rank
+  averages the same ones; a sharded average stays sharded, updated with no collective, and goes where Lightning puts
+  the weights (a distributed checkpoint's directory, or one file, gathered); another spread is refused, naming both.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Mapping
+from contextlib import ExitStack
 from functools import partial
 from inspect import signature
 from itertools import zip_longest
@@ -90,12 +42,12 @@ from copy_correct.ema import EMA
 from copy_correct.errors import CheckpointMismatch
 from copy_correct.lightning._averaging_callback import AveragingCallback, distributed, named_as_the_module
 from copy_correct.lightning._distributed_state import names_keys, read_into, store_under_keys
+from copy_correct.lightning._ema_pass import EMAPass, held_back, logged_with
 from copy_correct.lightning._lightning_internals import (
     EVALUATION_DISPATCH,
     EVALUATION_END_METRICS,
     EVALUATION_RUN,
     RESULTS_TABLE,
-    LogMetrics,
     check,
     eval_end_metrics,
     install_run,
@@ -159,7 +111,7 @@ class EMAWeights(AveragingCallback):
         self.ema: EMA | None = None
         self._wrapped: list[Any] = []  # the evaluation loops whose run setup wrapped, for teardown
         self._in_run = False  # inside a run setup wrapped: each evaluation's start checks it
-        self._pass: _EMAPass | None = None  # the EMA evaluation in progress
+        self._pass: EMAPass | None = None  # the EMA evaluation in progress
 
     @property
     def state_key(self) -> str:
@@ -237,13 +189,13 @@ class EMAWeights(AveragingCallback):
                 return run()
             ema = self._ensure_ema(pl_module)
             if self.evaluate == "ema":
-                return self._run_pass(_EMAPass(trainer, pl_module, ema, None), run)
+                return self._run_pass(EMAPass(trainer, pl_module, ema, None), run)
             held: dict[str, Any] = {}
             verbose, loop.verbose = loop.verbose, False  # one table, of both passes, below
             try:
-                with eval_end_metrics(trainer, partial(_held_back, held)):
-                    averaged = self._run_pass(_EMAPass(trainer, pl_module, ema, self.suffix), run)
-                with eval_end_metrics(trainer, partial(_logged_with, held)):
+                with eval_end_metrics(trainer, partial(held_back, held)):
+                    averaged = self._run_pass(EMAPass(trainer, pl_module, ema, self.suffix), run)
+                with eval_end_metrics(trainer, partial(logged_with, held)):
                     live = run()
             finally:
                 loop.verbose = verbose
@@ -254,7 +206,7 @@ class EMAWeights(AveragingCallback):
 
         return run_with_ema
 
-    def _run_pass(self, ema_pass: _EMAPass, run: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    def _run_pass(self, ema_pass: EMAPass, run: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]]:
         self._pass = ema_pass
         try:
             with ema_pass:
@@ -385,72 +337,3 @@ def _copy_into_module(module: torch.nn.Module, values: Mapping[str, torch.Tensor
                 value = local_part(value, target)
             local(target).copy_(local(value))
     reshard(module)
-
-
-class _EMAPass:
-    """One evaluation run with the EMA weights in the module (``suffix``: also logging under suffixed names, with
-    no callback hooks), which a checkpoint save steps out of and back into."""
-
-    def __init__(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ema: EMA, suffix: str | None) -> None:
-        self._trainer, self._module, self._ema, self._suffix = trainer, pl_module, ema, suffix
-        self._stack = ExitStack()
-
-    def __enter__(self) -> None:
-        self._stack = ExitStack()
-        self._stack.enter_context(self._ema.average_weights())
-        if self._suffix is not None:
-            self._stack.enter_context(_suffixed_logging(self._module, self._suffix))
-            self._stack.enter_context(_quiet(self._trainer))
-
-    def __exit__(self, *exc_info: Any) -> bool:
-        return self._stack.__exit__(*exc_info)
-
-    @contextmanager
-    def stepped_out(self) -> Iterator[None]:
-        """Live weights in the module, the average in the EMA, every callback back; the pass resumes after."""
-        self._stack.close()
-        try:
-            yield
-        finally:
-            self.__enter__()
-
-
-@contextmanager
-def _suffixed_logging(pl_module: pl.LightningModule, suffix: str) -> Iterator[None]:
-    """Every ``self.log(name, ...)`` of the module (and so ``log_dict``) logs ``name + suffix`` instead."""
-    log = pl_module.log
-
-    def log_with_suffix(name: str, *args: Any, **kwargs: Any) -> None:
-        log(f"{name}{suffix}", *args, **kwargs)
-
-    pl_module.log = log_with_suffix  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        del pl_module.log
-
-
-def _held_back(held: dict[str, Any], log: LogMetrics) -> LogMetrics:
-    """The epoch-end metrics of the EMA pass, kept from the loggers: Lightning's call that logs an evaluation epoch's
-    metrics (``log``) only collects them into ``held``."""
-    return held.update
-
-
-def _logged_with(held: Mapping[str, Any], log: LogMetrics) -> LogMetrics:
-    """The live pass's epoch-end metrics logged with ``held`` beside them, in one call: one row of ``metrics.csv``."""
-
-    def log_both(metrics: Mapping[str, Any]) -> None:
-        log({**metrics, **held})
-
-    return log_both
-
-
-@contextmanager
-def _quiet(trainer: pl.Trainer) -> Iterator[None]:
-    """No callback hooks (checkpointing, early stopping, progress bars) during the EMA pass."""
-    callbacks = trainer.callbacks
-    trainer.callbacks = []
-    try:
-        yield
-    finally:
-        trainer.callbacks = callbacks

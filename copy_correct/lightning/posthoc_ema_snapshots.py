@@ -1,71 +1,29 @@
-"""``PostHocEMASnapshots``: ``PowerEMA`` profiles of a LightningModule during ``fit``, snapshotted into the run's
-checkpoint directory for post-hoc EMA: ``copy-correct posthoc RUN_DIR --sigma-rel 0.08`` (the command installed with
-the package, ``copy_correct.cli``) writes checkpoints of the synthesized weights beside the run's.
+"""``PostHocEMASnapshots``: ``PowerEMA`` profiles of a LightningModule, or of one submodule (``module="generator"``),
+during ``fit``, snapshotted into the run's checkpoint directory (``power_ema/``) for post-hoc EMA:
+``copy-correct posthoc RUN_DIR --sigma-rel 0.08`` writes checkpoints of the synthesized weights beside the run's,
+which ``load_from_checkpoint`` reads; ``synthesize(RUN_DIR, sigma_rel=0.08)`` gives the averaged entries of the
+``state_dict`` in Python. The gan page (``docs/recipes/gan.md``) and the resume guide are the full account.
 
-Copy contract: the profiles are the ``PowerEMA``'s own tensors (see ``copy_correct.power_ema``): never a deep copy of
-the module, never in its ``parameters()``, updated in place with no allocation and no host read. The module's weights
-are only read (a sharded model's floating buffers excepted: see Sharded, below); checkpoints keep the live
-weights as Lightning saves them.
+Copy contract:
 
-* Updates after every optimizer step (so once per ``accumulate_grad_batches`` batches): ``PowerEMA.update`` counts
-  optimizer steps, and ``update_every`` and ``snapshot_every`` count them too. The step is read once training starts,
-  after Lightning restored a resumed run's counters.
-* ``module`` names the one submodule to average (``"generator"`` of a GAN, whose discriminator no one samples from);
-  ``None``: the whole LightningModule. Either way the snapshots name their tensors as the LightningModule's
-  ``state_dict`` does (``generator.net.0.weight``), and a snapshot of a submodule says which (``module``), so the
-  command takes the module's other weights from the run's checkpoint.
-* Snapshots go to ``snapshot_dir``, by default ``power_ema/`` in the ``ModelCheckpoint``'s directory (the
-  trainer's ``default_root_dir`` without one), written by global rank 0 only (every rank its own files, for a
-  sharded model), atomically: every ``snapshot_every`` steps, and once more when ``fit`` ends (``on_train_end``, so
-  not after an exception) if it updated the profiles since the last one, so a run shorter than ``snapshot_every``
-  or ending between two leaves its last step to synthesize from. That final snapshot says so (``"final": True``); it
-  only reads the profiles, after the last checkpoint was saved. A run resumed from that step removes it once it writes
-  a later snapshot, so a stopped and resumed run ends with the files of a run that was not stopped.
-* A run resumed into another directory (``train.py ... ckpt_path=``: always) starts by carrying the earlier snapshots
-  over from ``power_ema/`` beside the checkpoint it resumes from: each snapshot of the history up to the resumed step
-  (the final one of an earlier fit only at that step), as a hard link where the filesystem allows (no bytes copied;
-  the crashed run's files stay as they were), else an atomic copy (``copy_correct._link_or_copy``). The resumed run's
-  directory then holds the files of a run that was not stopped, and ``copy-correct posthoc`` on it gives the same
-  average; a run resumed from a resumed one carries the carried files on. Links rather than following the resume chain
-  at read time: the directory stands alone (the crashed one can be moved or deleted) and needs no record of where it
-  came from. With ``snapshot_dir`` given, nothing is carried (the same folder for both runs needs nothing).
-* Each snapshot names the step of the one before it in the history (``previous``, 0 for the first; kept in the
-  checkpoint state across a resume), so that ``copy_correct.snapshot_history`` can find a gap and name it.
-* Checkpoints hold the ``PowerEMA`` state (callback state, tensors and numbers only: loads with
-  ``weights_only=True``); ``fit(ckpt_path=...)`` restores it, so a resumed run continues the profiles and the
+* Shared with the module: nothing. The profiles are the ``PowerEMA``'s own tensors (``copy_correct.power_ema``),
+  never a deep copy of the module nor in its ``parameters()``; the module's weights are only read (a sharded model's
+  floating buffers excepted: rank 0's are copied into every rank before each update, as ``EMAWeights`` does, since
+  FSDP2 never synchronises them). Checkpoints keep the live weights as Lightning saves them, and the ``PowerEMA``
+  state in the callback state (tensors and numbers only), so ``fit(ckpt_path=...)`` continues the profiles and the
   snapshots bit for bit.
-* Sharded (FSDP2, Lightning's ``ModelParallelStrategy``): each rank keeps the profiles of its own shards (see
-  ``copy_correct.power_ema``), updated with no collective, and every rank writes its own snapshot files
-  (``power-ema-STEP-rankRofW.pt``, the final snapshot too: every rank takes it, deciding on the step alone;
-  ``copy-correct posthoc`` combines each rank's into its shards and joins them). Before each update rank 0's
-  floating buffers are copied into every rank's module (one broadcast per dtype), as ``EMAWeights`` does: FSDP2
-  never synchronises BatchNorm statistics, and a distributed checkpoint keeps one copy of a tensor that is not
-  sharded, so only then do all ranks average, save and resume the same buffers. Checkpoints hold the profiles as
-  Lightning holds the weights: in a distributed checkpoint (a directory, the default) each rank writes its shards
-  beside the weights' (the callback state names each tensor's key there and its layout) and reads them back on
-  resume; with ``save_distributed_checkpoint=False`` (one file) the profiles are gathered into full tensors, of
-  which each rank takes its own part back on resume. A checkpoint spread otherwise than the model (another world
-  size or placement) is refused, naming both (``CheckpointMismatch``, a ``ValueError``): the snapshot files of one
-  run are of one spread. ``skip_nonfinite=True`` is refused there, as ``PowerEMA`` refuses it.
-* ``skip_nonfinite=True`` (opt-in, ``copy_correct.power_ema`` says what it costs): an update whose live weights or
-  floating buffers hold a NaN or an Inf is skipped, leaving every profile bit for bit as it was
-  (``copy_correct.power_ema`` says what the profiles then are); the count is logged as ``posthoc_ema/skipped`` at
-  the end of each training epoch, read once per epoch (on a GPU a sync), never per step, and the first epoch that
-  skips warns once (``copy_correct.lightning._skip_log``).
-
-After training, a checkpoint of the averaged weights that ``load_from_checkpoint`` reads, from the command (which
-prints the path it wrote, beside the run's checkpoints: ``posthoc-ema-sigma0.080-step000000300.ckpt``)::
-
-    copy-correct posthoc RUN_DIR --sigma-rel 0.08
-    model = MyModule.load_from_checkpoint(path)
-
-or in Python, from the run's last checkpoint (one file) and ``synthesize`` (the averaged entries of its
-``state_dict``: all of them, or those of ``module``)::
-
-    checkpoint = torch.load("RUN_DIR/checkpoints/last.ckpt", weights_only=True)
-    checkpoint["state_dict"].update(synthesize("RUN_DIR", sigma_rel=0.08))
-    torch.save(checkpoint, "ema.ckpt")
-    model = MyModule.load_from_checkpoint("ema.ckpt")
+* New storage: each snapshot, written atomically by global rank 0 (by every rank, of its shards, when sharded) every
+  ``snapshot_every`` optimizer steps and once more when ``fit`` ends off that schedule (``"final": True``, removed by
+  a resumed run once it writes a later one). Names are the LightningModule's (``generator.net.0.weight``), and a
+  snapshot of a submodule says which (``module``). A run resumed into another directory first carries the earlier
+  snapshots of its history over, as hard links where the filesystem allows (``copy_correct._link_or_copy``), so its
+  directory stands alone; each snapshot names the one before it (``previous``), so that a gap can be found.
+* Autograd sees nothing: the update runs after each optimizer step (``update_every`` and ``snapshot_every`` count
+  them, from the step Lightning restored), in place, with no allocation and no host read.
+* Sharded (FSDP2): the profiles of each rank's shards, updated with no collective; checkpoints hold them as Lightning
+  holds the weights (a distributed checkpoint's directory, or one file, gathered); another spread is refused, naming
+  both (``CheckpointMismatch``). ``skip_nonfinite=True`` (opt-in) skips an update from non-finite weights, counted
+  in ``posthoc_ema/skipped`` once per epoch; refused when sharded, as ``PowerEMA`` refuses it.
 """
 
 from __future__ import annotations

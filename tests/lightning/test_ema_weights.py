@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from copy_correct import EMA
 from copy_correct.lightning import EMAWeights, IsolatedEvaluation
-from copy_correct.lightning.ema_weights import _EMAPass
+from copy_correct.lightning._ema_pass import EMAPass
 from copy_correct.probes import shares_storage
 from tests.conftest import DEVICES
 from tests.lightning import test_isolated_evaluation as isolation
@@ -625,7 +625,7 @@ def before_the_fix(
     def run_with_ema() -> Any:
         if trainer.sanity_checking:
             return run()
-        self._run_pass(_EMAPass(trainer, pl_module, self._ensure_ema(pl_module), self.suffix), run)
+        self._run_pass(EMAPass(trainer, pl_module, self._ensure_ema(pl_module), self.suffix), run)
         return run()
 
     return run_with_ema
