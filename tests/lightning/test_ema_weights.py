@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from copy_correct import EMA
+from copy_correct._weight_swap import swap_in, swap_out
 from copy_correct.lightning import EMAWeights, IsolatedEvaluation
 from copy_correct.lightning._ema_pass import EMAPass
 from copy_correct.probes import shares_storage
@@ -384,9 +385,9 @@ def test_an_exception_in_the_ema_evaluation_restores_the_live_weights_before_lig
 
     @contextmanager
     def swaps_back_only_without_an_exception(self: EMA, model: torch.nn.Module | None = None) -> Iterator[Any]:
-        self._swap = swap = self._swap_in(model)
+        self._swap = swap = swap_in(self._live_groups(model))
         yield model
-        self._swap_out(swap)
+        swap_out(self._model, swap)
         self._swap = None
 
     monkeypatch.setattr(EMA, "average_weights", swaps_back_only_without_an_exception)  # the control
