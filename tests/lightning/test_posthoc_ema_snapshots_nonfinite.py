@@ -33,13 +33,23 @@ def skip_warnings(record: pytest.WarningsRecorder) -> list[str]:
 
 def test_the_callback_skips_and_logs_the_count_once_per_epoch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     reads = []
-    counted = PowerEMA._skipped_count
+    counted, saved = PowerEMA._skipped_count, PowerEMA.state_dict
+    saving = []
 
     def skipped(ema: PowerEMA) -> int:
-        reads.append(ema.step)
+        if not saving:  # a checkpoint's state reads the count too, once per save
+            reads.append(ema.step)
         return counted(ema)
 
+    def state_dict(ema: PowerEMA) -> dict[str, Any]:
+        saving.append(True)
+        try:
+            return saved(ema)
+        finally:
+            saving.pop()
+
     monkeypatch.setattr(PowerEMA, "_skipped_count", skipped)
+    monkeypatch.setattr(PowerEMA, "state_dict", state_dict)
     monkeypatch.setattr(test_posthoc_ema_snapshots, "Regressor", Diverging)  # what fit trains
     callback = PostHocEMASnapshots(snapshot_every=4, skip_nonfinite=True)
     warning = r"PowerEMA: 2 update\(s\) skipped in epoch 0: the live weights held NaN or Inf"
