@@ -279,7 +279,6 @@ ALLOWED: dict[str, Rule] = {
     "model.stem_stride": Whole(1),
     "model.d_dropout": Real("[0, 1)"),
     "model.beta1": Real("[0, 1)"),
-    "model.ema_decay": Real("[0, 1)"),
     "model.eval_samples": Whole(1),
     "model.judge_epochs": Whole(1),
     "model.gamma": Real("[0, 1]"),

@@ -9,8 +9,8 @@ What it shows, per training step:
     so its backward stops at the detach (no gradient reaches G, nothing of G's graph is walked or kept).
   * The generator step reuses ``fake`` and goes through D inside ``frozen(D)``: gradients flow through D to
     G, but none is written into D's parameters; D's ``requires_grad`` flags come back exactly afterwards.
-  * An ``EMA`` of the generator's weights (as in StyleGAN) is updated in place after each step; samples
-    and quality figures come from it, with the live generator's figures logged beside them.
+  * An EMA of the generator's weights (as in StyleGAN) is updated in place after each step; samples and quality
+    figures come from it, with the live generator's figures logged beside them.
 
 The networks follow the data (``model.network``, ``recipes/networks.py``): MLPs for the 8x8 digits, DCGAN's
 convolutional generator and discriminator for square images whose side is 4, 5, 6 or 7 times a power of two, 16 or
@@ -23,9 +23,29 @@ that must reconstruct the image). Its features give a Frechet distance (torchmet
 the judge as the feature extractor) between real training images and ``eval_samples`` generated ones, beside the same
 distance between real training and real validation images (the floor). With labels it also reports the mean confidence
 of its predictions and the share of the rarest predicted class (mode collapse shows as a class near 0). Each validation
-epoch writes a 10x10 grid of the EMA generator's samples: ``samples_epochNNN.png`` and ``samples.png``. A checkpoint's
-generator weights are the average (``GAN.load_from_checkpoint`` samples from the EMA generator); the live ones are
-beside them (``generator_live``), and a resumed fit trains on from those.
+epoch writes a 10x10 grid of the EMA generator's samples: ``samples_epochNNN.png`` and ``samples.png``.
+
+Callbacks (``conf/recipe/gan.yaml``, then ``conf/callbacks/default.yaml``'s, which every recipe has):
+  * ``EMAWeights(module="generator")`` (``callbacks.ema``, ``copy_correct/lightning/ema_weights.py``): builds the
+    generator's ``EMA`` at ``fit``'s start, shadow tensors of its own, and updates it in place (``_foreach_lerp_``)
+    at the end of each batch, after both steps; ``g_ema`` here is that EMA, swapped in (in place, restored bit for
+    bit) for the quality figures. A checkpoint's generator weights are the average (``GAN.load_from_checkpoint``
+    samples from it), the live ones in the callback's state, copied back in place when a fit resumes.
+  * ``PostHocEMASnapshots(module="generator")`` (``callbacks.posthoc_ema``,
+    ``copy_correct/lightning/posthoc_ema_snapshots.py``): power-function profiles of the generator, tensors of their
+    own updated in place, written to ``checkpoints/power_ema/`` for ``copy-correct posthoc``; the weights only read.
+  * ``IsolatedEvaluation`` (``copy_correct/lightning/isolated_evaluation.py``): each validation's draws from torch's,
+    NumPy's and Python's generators (the validation loader's base seed; the latents here have a generator of their
+    own) are undone when it ends, so the latents and dropout masks after it are not a plain Lightning run's, and do
+    not depend on how often the run validates.
+  * ``ResumeState`` (``copy_correct/lightning/resume.py``, ``resume_data_order.py``): copies of every rank's generator
+    states and a record of the training order (a sampler between the loader and its own, drawing nothing) in every
+    checkpoint, so a resumed run draws the latents and batches of the uninterrupted one.
+  * ``NonFiniteStop`` (``copy_correct/lightning/nonfinite_stop.py``): the step returns no loss, so it reads the weights
+    (never copies them) every 50 batches, before each validation and before each save.
+  * ``ModelCheckpoint`` and ``LastCheckpoint`` (``copy_correct/lightning/last_checkpoint.py``) through
+    ``AtomicCheckpointIO`` (``atomic_checkpoint.py``): each storage streamed once into a file beside the target and
+    renamed over it (the average's too). ``RunSummary``, ``StaleTemporaries``, the progress bar: read only.
 
 Change first: the data (``data=images data.root=DIR``, its keys in ``conf/data/images.yaml``) and the widths in
 ``conf/recipe/gan.yaml``; then the networks in ``recipes/networks.py``.
@@ -34,7 +54,6 @@ Change first: the data (``data=images data.root=DIR``, its keys in ``conf/data/i
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -43,7 +62,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from copy_correct import EMA, GradientAverager, frozen
+from copy_correct.lightning import EMAWeights
 from recipes.gan_quality import GRID, SAMPLE_CHUNK, Judge, sample_grid
+from recipes.model_setup import at_least_one, check_args
 from recipes.networks import (
     ConvDiscriminator,
     ConvGenerator,
@@ -80,29 +101,20 @@ class GAN(pl.LightningModule):
         d_dropout: float = 0.3,
         lr: float = 2e-4,
         beta1: float = 0.5,
-        ema_decay: float = 0.999,
         eval_samples: int = 2000,
         judge_epochs: int = 30,
         seed: int = 0,
     ) -> None:
         super().__init__()
         shape = image_shape_of(image_shape)
-        for name, value in {"latent": latent, "hidden": hidden, "conv_width": conv_width}.items():
-            if value < 1:
-                raise ValueError(f"model.{name} must be >= 1, got {value}")
-        if eval_samples < GRID * GRID:
-            raise ValueError(
-                f"model.eval_samples must be >= {GRID * GRID} (each validation writes a {GRID}x{GRID} grid of "
-                f"samples), got {eval_samples}"
-            )
-        if not lr > 0:
-            raise ValueError(f"model.lr must be > 0, got {lr}")
-        if not 0 <= d_dropout < 1:
-            raise ValueError(f"model.d_dropout must be in [0, 1), got {d_dropout}")
-        if not 0 <= beta1 < 1:
-            raise ValueError(f"model.beta1 must be in [0, 1), got {beta1}")
-        if not 0 <= ema_decay < 1:
-            raise ValueError(f"model.ema_decay must be in [0, 1), got {ema_decay}")
+        at_least_one(latent=latent, hidden=hidden, conv_width=conv_width)
+        grid = f">= {GRID * GRID} (each validation writes a {GRID}x{GRID} grid of samples)"
+        check_args([
+            ("eval_samples", eval_samples, eval_samples >= GRID * GRID, grid),
+            ("lr", lr, lr > 0, "> 0"),
+            ("d_dropout", d_dropout, 0 <= d_dropout < 1, "in [0, 1)"),
+            ("beta1", beta1, 0 <= beta1 < 1, "in [0, 1)"),
+        ])  # fmt: skip
         self.save_hyperparameters()
         self.automatic_optimization = False
         self.image_shape = shape
@@ -115,19 +127,53 @@ class GAN(pl.LightningModule):
             self.discriminator = MLPDiscriminator(self.image_shape, hidden, d_dropout)
         self.judge = Judge(kind, self.image_shape, num_classes)
         self.register_buffer("judge_trained", torch.tensor(False))  # checkpointed: a resumed run keeps its judge
-        self.g_ema: EMA | None = None  # made in on_fit_start, once the generator is on its device
         self._g_grads: GradientAverager | None = None  # under DDP only
         self._d_grads: GradientAverager | None = None
-        self._pending_ema: dict[str, Any] | None = None
         self._real: torch.Tensor | None = None  # eval_samples real training images in [-1, 1], on the device
         self.fid_floor: float | None = None
+
+    @property
+    def g_ema(self) -> EMA | None:
+        """The generator's EMA: the ``EMAWeights`` callback's (built at ``fit``'s start); ``None`` before, or without
+        that callback."""
+        callbacks = self._trainer.callbacks if self._trainer is not None else []
+        return next((c.ema for c in callbacks if isinstance(c, EMAWeights)), None)
 
     def train(self, mode: bool = True) -> GAN:
         super().train(mode)
         self.judge.eval()  # the judge is trained once, before the GAN, and only evaluates afterwards
         return self
 
-    # -- training ----------------------------------------------------------------------------------------
+    def setup(self, stage: str) -> None:
+        if self.device_mesh is not None:  # Lightning's ModelParallelStrategy (trainer=fsdp) gives the module a mesh
+            raise ValueError(
+                "recipe gan does not run sharded: it alternates two networks and averages their gradients itself, "
+                "and keeps its generator EMA from before any sharding; use trainer=default, cpu, gpu or ddp, not fsdp"
+            )
+
+    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
+        betas = (self.hparams.beta1, 0.999)
+        return [
+            torch.optim.Adam(self.generator.parameters(), lr=self.hparams.lr, betas=betas, fused=True),
+            torch.optim.Adam(self.discriminator.parameters(), lr=self.hparams.lr, betas=betas, fused=True),
+        ]
+
+    def on_fit_start(self) -> None:
+        if self.trainer.world_size > 1:
+            self._g_grads = GradientAverager(self.generator.parameters())
+            self._d_grads = GradientAverager(self.discriminator.parameters())
+        real, labels = self.trainer.datamodule.eval_images("train", self.hparams.eval_samples)
+        # Copy decision: to the device once, here; every validation compares against these same images.
+        self._real = real.to(self.device).view(-1, *self.image_shape) * 2 - 1
+        if not self.judge_trained:
+            self.judge.train()
+            target = None if labels is None else labels.to(self.device)
+            self.judge.fit(self._real, target, self.hparams.judge_epochs, self.hparams.seed)
+            self.judge_trained.fill_(True)
+        if self.global_rank > 0:
+            # Lightning seeds every rank alike: without this each rank would draw the same z and the same dropout
+            # masks, and a bigger world would not see more distinct fakes. Rank 0 keeps a single process's stream.
+            torch.manual_seed(self.hparams.seed + self.global_rank)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         opt_g, opt_d = self.optimizers()
@@ -146,9 +192,7 @@ class GAN(pl.LightningModule):
             g_loss = _bce(self.discriminator(fake), 1.0)
             self._backward(g_loss, self._g_grads)
         opt_g.step()
-        opt_g.zero_grad(set_to_none=True)
-        assert self.g_ema is not None
-        self.g_ema.update(self.generator)
+        opt_g.zero_grad(set_to_none=True)  # EMAWeights updates the generator's EMA after this batch
         self.log_dict({"train/d_loss": d_loss.detach(), "train/g_loss": g_loss.detach()}, prog_bar=True)
 
     def _backward(self, loss: torch.Tensor, averager: GradientAverager | None) -> None:
@@ -165,48 +209,12 @@ class GAN(pl.LightningModule):
             self.manual_backward(loss)
         averager.average()
 
-    def configure_optimizers(self) -> list[torch.optim.Optimizer]:
-        betas = (self.hparams.beta1, 0.999)
-        return [
-            torch.optim.Adam(self.generator.parameters(), lr=self.hparams.lr, betas=betas, fused=True),
-            torch.optim.Adam(self.discriminator.parameters(), lr=self.hparams.lr, betas=betas, fused=True),
-        ]
-
-    def setup(self, stage: str) -> None:
-        if self.device_mesh is not None:  # Lightning's ModelParallelStrategy (trainer=fsdp) gives the module a mesh
-            raise ValueError(
-                "recipe gan does not run sharded: it alternates two networks and averages their gradients itself, "
-                "and keeps its generator EMA from before any sharding; use trainer=default, cpu, gpu or ddp, not fsdp"
-            )
-
-    def on_fit_start(self) -> None:
-        if self.trainer.world_size > 1:
-            self._g_grads = GradientAverager(self.generator.parameters())
-            self._d_grads = GradientAverager(self.discriminator.parameters())
-        self.g_ema = EMA(self.generator, decay=self.hparams.ema_decay, warmup=True)
-        if self._pending_ema is not None:
-            self.g_ema.load_state_dict(self._pending_ema)
-            self._pending_ema = None
-        real, labels = self.trainer.datamodule.eval_images("train", self.hparams.eval_samples)
-        # Copy decision: to the device once, here; every validation compares against these same images.
-        self._real = real.to(self.device).view(-1, *self.image_shape) * 2 - 1
-        if not self.judge_trained:
-            self.judge.train()
-            target = None if labels is None else labels.to(self.device)
-            self.judge.fit(self._real, target, self.hparams.judge_epochs, self.hparams.seed)
-            self.judge_trained.fill_(True)
-        if self.global_rank > 0:
-            # Lightning seeds every rank alike: without this each rank would draw the same z and the same dropout
-            # masks, and a bigger world would not see more distinct fakes. Rank 0 keeps a single process's stream.
-            torch.manual_seed(self.hparams.seed + self.global_rank)
-
-    # -- evaluation ----------------------------------------------------------------------------------------
-
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         """Quality is measured once per validation epoch, in ``on_validation_epoch_end``."""
 
     def on_validation_epoch_end(self) -> None:
-        if self.g_ema is None or self._real is None or self.trainer.sanity_checking:
+        ema = self.g_ema
+        if ema is None or self._real is None or self.trainer.sanity_checking:
             return
         real = self._real
         if self.fid_floor is None:
@@ -217,7 +225,7 @@ class GAN(pl.LightningModule):
             generator=torch.Generator(self.device).manual_seed(self.hparams.seed),
         )  # fmt: skip
         live = self.sample(z)
-        with self.g_ema.average_weights(self.generator):
+        with ema.average_weights():  # in place, the live weights restored bit for bit
             averaged = self.sample(z)
         for suffix, samples in (("_ema", averaged), ("", live)):
             if self.judge.num_classes is not None:
@@ -237,26 +245,6 @@ class GAN(pl.LightningModule):
     def sample(self, z: torch.Tensor) -> torch.Tensor:
         """The generator's images for ``z``, made ``SAMPLE_CHUNK`` at a time (as the generator is: live or average)."""
         return torch.cat([self.generator(chunk) for chunk in z.split(SAMPLE_CHUNK)])
-
-    # -- checkpoints ---------------------------------------------------------------------------------------
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        if self.g_ema is None:
-            return
-        ema = self.g_ema.state_dict()
-        checkpoint["generator_ema"] = ema
-        # Copy decision: the checkpoint's generator weights are the average, so `GAN.load_from_checkpoint` (what a
-        # user samples from) returns the EMA generator; the live weights go beside them, for resuming. All are the
-        # tensors themselves, not copies: torch.save writes each storage once.
-        weights = checkpoint["state_dict"]
-        checkpoint["generator_live"] = {name: weights[f"generator.{name}"] for name in ema["shadow"]}
-        weights.update({f"generator.{name}": value for name, value in ema["shadow"].items()})
-
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        self._pending_ema = checkpoint.get("generator_ema")
-        live = checkpoint.get("generator_live")
-        if live is not None and self._trainer is not None:  # a fit resumed: it trains on from the live weights
-            checkpoint["state_dict"].update({f"generator.{name}": value for name, value in live.items()})
 
 
 def _bce(logits: torch.Tensor, target: float) -> torch.Tensor:

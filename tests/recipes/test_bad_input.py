@@ -81,7 +81,7 @@ OUT_OF_RANGE = [
     ("ema", "model.lr=0", "model.lr must be in (0, inf), got 0"),
     ("ema", "data.batch_size=0", "data.batch_size must be >= 1, got 0"),
     ("ema", "data.val_fraction=0.999", "data.val_fraction=0.999 leaves 1796 validation and 1 training digits"),
-    ("gan", "model.ema_decay=1", "model.ema_decay must be in [0, 1), got 1"),
+    ("gan", "callbacks.ema.decay=1", "callbacks.ema.decay must be in [0, 1), got 1"),
     ("gan", "model.lr=0", "model.lr must be in (0, inf), got 0"),
     ("gan", "data.batch_size=-2", "data.batch_size must be >= 1, got -2"),
     ("gan", "model.eval_samples=99", "model.eval_samples must be >= 100 (each validation writes a 10x10 grid"),

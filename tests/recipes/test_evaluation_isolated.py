@@ -49,8 +49,13 @@ RUNS = {
 OFTEN, ONCE = ("trainer.check_val_every_n_epoch=1",), ("trainer.check_val_every_n_epoch=3",)
 DQN_OFTEN, DQN_ONCE = ("model.eval_every=256",), ("model.eval_every=1024",)
 # What each recipe's training state must hold, so that comparing it is not comparing nothing.
+GAN_EMA = "callbacks/EMAWeights{'decay': 0.999, 'module': 'generator'}"  # the average, and the live weights it replaced
 MUST_HOLD = {
-    "gan": ["generator_ema/shadow/net.0.weight", "generator_live/net.0.weight", "optimizer_states/1/state"],
+    "gan": [
+        f"{GAN_EMA}/ema/shadow/generator.net.0.weight",
+        f"{GAN_EMA}/live/generator.net.0.weight",
+        "optimizer_states/1/state",
+    ],
     "ema": ["callbacks/EMAWeights{'decay': 0.995}/ema/shadow/net.body.2.running_mean", "optimizer_states/0/state"],
     "metrics": ["state_dict/net.0.weight", "optimizer_states/0/state"],
     "pinned": ["state_dict/net.0.weight", "optimizer_states/0/state", "PinnedDigitsDataModule/shuffle"],
@@ -108,7 +113,7 @@ def assert_same_training(recipe: str, often: dict[str, Any], once: dict[str, Any
 def moved(often: dict[str, Any], once: dict[str, Any]) -> list[str]:
     """Where the control's training state differs from the run's that evaluates once: weights, and the rest."""
     found = differences(often, once)
-    assert any(d.startswith(("/state_dict/", "/generator_live/", "/logged/")) for d in found), found
+    assert any(d.startswith(("/state_dict/", f"/{GAN_EMA}/live/", "/logged/")) for d in found), found
     return found
 
 

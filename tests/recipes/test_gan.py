@@ -39,6 +39,8 @@ from tests.conftest import (
     write_own_images,
 )
 
+# EMAWeights(module="generator")'s state in a checkpoint: the average (the GAN's names) and the live weights
+GENERATOR_EMA = "EMAWeights{'decay': 0.999, 'module': 'generator'}"
 # Short runs: a judge of one epoch on the 100 samples the grid needs, no validation.
 SHORT = ("model.judge_epochs=1", "model.eval_samples=100", "trainer.limit_val_batches=0", "trainer.max_epochs=-1")
 
@@ -206,11 +208,12 @@ def test_short_run_writes_samples_and_summary(tmp_path: Path) -> None:
         rated |= {"quality/confidence_ema", "quality/confidence"}
     assert rated <= set(summary["metrics"])
     assert (tmp_path / "samples.png").is_file() and (tmp_path / "samples_epoch001.png").is_file()
-    assert "generator_ema" in checkpoint and bool(checkpoint["state_dict"]["judge_trained"])
+    generator_ema = checkpoint["callbacks"][GENERATOR_EMA]
+    assert "ema" in generator_ema and bool(checkpoint["state_dict"]["judge_trained"])
     # The checkpoint's generator is the average, what a user loading it to sample wants; the live one is beside it.
     loaded = GAN.load_from_checkpoint(summary["checkpoints"]["last"], weights_only=True)
-    average, live = checkpoint["generator_ema"]["shadow"], checkpoint["generator_live"]
-    assert all(torch.equal(loaded.generator.state_dict()[k], v) for k, v in average.items())
+    average, live = generator_ema["ema"]["shadow"], generator_ema["live"]
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in average.items())
     assert any(not torch.equal(live[k], v) for k, v in average.items())  # not vacuous: the two differ
 
 

@@ -56,7 +56,7 @@ MUST_HOLD = {
     "ema": ["callbacks/EMAWeights{'decay': 0.995}/ema/shadow/net.body.1.weight", "DigitsDataModule/shuffle"],
     "dqn": ["state_dict/target.net.0.weight", "replay_buffer/obs", "dqn/rng", "dqn/episode_actions"],
     "gan": [
-        "generator_ema/shadow/net.0.weight",
+        "callbacks/EMAWeights{'decay': 0.999, 'module': 'generator'}/ema/shadow/generator.net.0.weight",
         "state_dict/judge.net.head.weight",
         "DigitsDataModule/shuffle",
         POSTHOC_EMA + "/power_ema/profiles/1/net.0.weight",  # the generator's post-hoc EMA profiles

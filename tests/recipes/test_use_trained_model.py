@@ -131,8 +131,9 @@ def test_the_gan_page_samples_a_grid_from_the_ema_generator(
     _, names = run_page_block("gan", tmp_path, monkeypatch, capsys)
     with Image.open(tmp_path / "my_samples.png") as grid:
         assert grid.mode == "L" and grid.size == (400, 400)  # 8x8 digits, 8 to a row, a pixel around each, scaled x5
-    average = torch.load(best_checkpoint(tmp_path, "gan"), weights_only=True)["generator_ema"]["shadow"]
-    sampled = names["model"].generator.state_dict()
+    callbacks = torch.load(best_checkpoint(tmp_path, "gan"), weights_only=True)["callbacks"]
+    average = callbacks["EMAWeights{'decay': 0.999, 'module': 'generator'}"]["ema"]["shadow"]  # the GAN's names
+    sampled = names["model"].state_dict()
     assert all(torch.equal(sampled[name], value) for name, value in average.items())  # the EMA generator's samples
 
 

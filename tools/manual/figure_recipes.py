@@ -317,9 +317,7 @@ def _posthoc_figure(ctx: Context, run: Run) -> None:
     ax.plot(list(synthesized), list(synthesized.values()), "o-", ms=4, lw=1.2, label="post-hoc EMA, synthesized")
     ax.plot(list(tracked), list(tracked.values()), "D", ms=8, mfc="none", mew=1.5,
             label="the two tracked profiles, as snapshotted")  # fmt: skip
-    ax.axhline(
-        ema, color="C3", ls="--", lw=1.2, label=f"recipe's EMA (decay {run.model.hparams.ema_decay}): quality/fid_ema"
-    )
+    ax.axhline(ema, color="C3", ls="--", lw=1.2, label=f"recipe's EMA (decay {run.model.g_ema.decay}): quality/fid_ema")
     ax.axvline(best, color="0.6", ls=":", lw=1.0, label=f"lowest: sigma_rel {best:g}")
     ax.set_xscale("log")
     ax.set_xticks(list(synthesized), [f"{s:g}" for s in synthesized], fontsize=7, rotation=45)
