@@ -27,6 +27,7 @@ Tensor parts:
     UnsafeFile           a file whose pickle names what a weights_only load refuses (loading it could run code)
 """
 
+from copy_correct._nonfinite import skipped_updates
 from copy_correct.checked_load import load_checked, verify_checkpoint
 from copy_correct.device_loader import DeviceDataLoader, make_loader
 from copy_correct.ema import EMA
@@ -38,7 +39,7 @@ from copy_correct.posthoc_ema import synthesis_coefficients, synthesize
 from copy_correct.power_ema import PowerEMA
 from copy_correct.prefetch import DevicePrefetcher, map_tensors
 from copy_correct.replay import ReplayBuffer
-from copy_correct.target import hard_update, make_target, skipped_updates, soft_update
+from copy_correct.target import hard_update, make_target, soft_update
 
 __all__ = [
     "EMA",

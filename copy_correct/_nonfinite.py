@@ -26,17 +26,38 @@ Why it is exact, per group (``update``):
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from copy_correct._checks import flag
 from copy_correct._flat import flat_views
+from copy_correct._module_tensors import unwrap
 from copy_correct._torch_internals import increment_versions
 from copy_correct.decay_schedule import DecaySchedule
 
-__all__ = ["NonFiniteGuard", "ProfilesGuard", "guard_wanted", "refuse_nonfinite"]
+__all__ = ["TARGET_GUARDS", "NonFiniteGuard", "ProfilesGuard", "guard_wanted", "refuse_nonfinite", "skipped_updates"]
+
+# Each guarded target network of ``hard_update``/``soft_update`` (weakly held): the target tensors its guard was built
+# on, their data pointers, and the guard, whose ``skipped`` is the count (``copy_correct.target`` keeps it).
+TARGET_GUARDS: weakref.WeakKeyDictionary[nn.Module, tuple[list[torch.Tensor], list[int], Any]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def skipped_updates(averaged: Any) -> int:
+    """How many ``skip_nonfinite`` updates of ``averaged`` were skipped (0 if none was guarded): an ``EMA``, a
+    ``PowerEMA`` or a target network of ``hard_update``/``soft_update``. On the CPU a host count, elsewhere a read of a
+    device counter, so a sync on a GPU: read it when you log, not every step."""
+    count = getattr(type(averaged), "_skipped_count", None)
+    if count is not None:
+        return count(averaged)
+    guarded = TARGET_GUARDS.get(unwrap(averaged, "averaged"))
+    return 0 if guarded is None else int(guarded[2].skipped)
+
 
 # the integer dtype of each element size: a float's bits, selected exactly (bool viewed as uint8: no bool subtraction)
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

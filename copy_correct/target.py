@@ -33,7 +33,6 @@ import functools
 import operator
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -42,12 +41,12 @@ from copy_correct._checks import flag, module, number
 from copy_correct._finite_check import FiniteCheck
 from copy_correct._foreach_writes import foreach_copy_, foreach_lerp_
 from copy_correct._module_tensors import TensorRefs, state_entries, unwrap
-from copy_correct._nonfinite import NonFiniteGuard
+from copy_correct._nonfinite import TARGET_GUARDS, NonFiniteGuard
 from copy_correct._sharding import fsdp_modules, is_sharded, layout, reshard
 from copy_correct._torch_internals import set_grad_enabled
 from copy_correct.decay_schedule import DecaySchedule
 
-__all__ = ["hard_update", "make_target", "skipped_updates", "soft_update"]
+__all__ = ["hard_update", "make_target", "soft_update"]
 
 
 def make_target(online: nn.Module, into: nn.Module | None = None) -> nn.Module:
@@ -106,17 +105,6 @@ def soft_update(target: nn.Module, online: nn.Module, tau: float, *, skip_nonfin
     _update(target, online, tau, skip_nonfinite, "soft_update")
 
 
-def skipped_updates(averaged: Any) -> int:
-    """How many ``skip_nonfinite`` updates of ``averaged`` were skipped (0 if none was guarded): an ``EMA``, a
-    ``PowerEMA`` or a target network of ``hard_update``/``soft_update``. On the CPU a host count, elsewhere a read of a
-    device counter, so a sync on a GPU: read it when you log, not every step."""
-    count = getattr(type(averaged), "_skipped_count", None)
-    if count is not None:
-        return count(averaged)
-    guarded = _GUARDS.get(unwrap(averaged, "averaged"))
-    return 0 if guarded is None else int(guarded[2].skipped)
-
-
 def _update(
     target: nn.Module, online: nn.Module, tau: float, skip_nonfinite: bool = False, caller: str | None = None
 ) -> None:
@@ -163,10 +151,8 @@ class _HostGuard:
 # Per target, its guard and the target tensors (and their data pointers) it was built on, rebuilt when they change: new
 # lists for a new online network, buffers replaced or parameters' data swapped by ``model.to(...)`` (the device guard
 # writes through views of the storage; a CPU target's may change its device or dtype); the skip count carries over.
-# Tensors only: the target stays weakly held.
-_GUARDS: weakref.WeakKeyDictionary[nn.Module, tuple[list[torch.Tensor], list[int], NonFiniteGuard | _HostGuard]] = (
-    weakref.WeakKeyDictionary()
-)
+# Tensors only: the target stays weakly held. ``skipped_updates`` reads the count from there.
+_GUARDS = TARGET_GUARDS
 
 
 def _guard(target: nn.Module, groups: list[_PairGroup]) -> NonFiniteGuard | _HostGuard:

@@ -18,11 +18,11 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from copy_correct._nonfinite import skipped_updates
 from copy_correct._sharding import is_sharded
 from copy_correct.errors import CheckpointMismatch
 from copy_correct.lightning._rank_zero_buffers import RankZeroBuffers
 from copy_correct.lightning._skip_log import SkipLog
-from copy_correct.target import skipped_updates
 
 __all__ = ["AveragingCallback", "averaged_module", "named_as_the_module", "named_as_the_submodule"]
 
