@@ -19,7 +19,7 @@ import torch
 from gymnasium.vector import AutoresetMode
 from torch import nn
 
-from copy_correct import ReplayBuffer
+from copy_correct import ReplayBuffer, _replay_writes
 from copy_correct.probes import CopyAudit, MemoryProbe, shares_storage, storage_key
 from tests.conftest import CUDA, DEVICES
 
@@ -293,7 +293,7 @@ def test_a_cuda_tensor_into_a_cpu_buffer_is_copied_to_the_host() -> None:
 
 
 def test_the_environment_loops_types_take_the_path_that_converts_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """What CartPole, an Atari frame stack and a continuous-action loop pass is written without ``_checked``;
+    """What CartPole, an Atari frame stack and a continuous-action loop pass is written without ``checked``;
     the bytes stored are the same as through it (np.float64 rewards, numpy ints and bools take that path)."""
 
     def buffers() -> list[ReplayBuffer]:
@@ -315,7 +315,7 @@ def test_the_environment_loops_types_take_the_path_that_converts_nothing(monkeyp
     for buffer, (obs, action, reward, next_obs, terminated, truncated) in zip(slow, inputs, strict=True):
         numpy_action = np.int64(action) if isinstance(action, int) else action
         buffer.add(obs, numpy_action, np.float64(reward), next_obs, np.bool_(terminated), np.bool_(truncated))
-    monkeypatch.setattr(ReplayBuffer, "_checked", lambda *args: pytest.fail("converted"))
+    monkeypatch.setattr(_replay_writes, "checked", lambda *args: pytest.fail("converted"))
     for buffer, values in zip(fast, inputs, strict=True):
         buffer.add(*values)
     for a, b in zip(fast, slow, strict=True):
@@ -349,7 +349,7 @@ def test_a_vector_step_is_one_row_per_field_when_capacity_is_a_multiple_of_num_e
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A vector env's step as it comes (numpy arrays, float64 rewards) goes into a ``(capacity // N, N)`` view of each
-    field without ``_checked``; the bytes, position and version are those of the general path (the control: a
+    field without ``checked``; the bytes, position and version are those of the general path (the control: a
     capacity that is not a multiple of N, or a position made unaligned by a loaded state, takes the general path)."""
     rng = np.random.default_rng(0)
     steps = [(rng.integers(0, 256, (2, *FRAME), dtype=np.uint8), rng.integers(0, 4, 2), rng.random(2),
@@ -363,7 +363,7 @@ def test_a_vector_step_is_one_row_per_field_when_capacity_is_a_multiple_of_num_e
     views = zip(rows._rows.arrays, rows._fields, strict=True)
     assert all(np.shares_memory(view, field.writer) for view, field in views)
     with monkeypatch.context() as patch:
-        patch.setattr(ReplayBuffer, "_checked", lambda *args: pytest.fail("converted"))
+        patch.setattr(_replay_writes, "checked", lambda *args: pytest.fail("converted"))
         for step in steps:
             version = rows.obs._version
             rows.add(*step)
