@@ -56,6 +56,9 @@ OWN_TESTS = {
 }
 # A command that belongs with a copied module: the starter that has the module gets the command's modules (and its
 # test runs). The command itself is installed by pyproject.toml's [project.scripts] (CLI is the module it names).
+# Test folders no starter takes: the peers' tests compare with packages a starter does not install, against pages of
+# our manual it does not have.
+NOT_TAKEN = (f"{TESTS}.peers.",)
 COMMANDS = {"copy_correct.lightning.posthoc_ema_snapshots": ("copy_correct.cli", "copy_correct.__main__")}
 CLI = "copy_correct.cli"
 _RECIPE_REF = re.compile(r"(?<![\w.])\+{0,2}recipe=(\w+)")
@@ -380,7 +383,8 @@ def _runnable_tests(tree: SourceTree, modules: set[str], recipe: str) -> set[str
     pool = {
         m
         for m in tree.paths
-        if m.startswith(f"{TESTS}.") and m not in modules and not tree.needs(m).unresolved
+        if m.startswith(f"{TESTS}.") and not m.startswith(NOT_TAKEN)
+        and m not in modules and not tree.needs(m).unresolved
         and not tree.needs(m).recipes - {recipe}
         and (not _is_test_file(m) or tree.needs(m).modules & libraries)
     }  # fmt: skip

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from scripts import new_project
 from scripts.new_project import ROOT, known_recipes, main, normalise_name, plan, quickstart
 from tests.conftest import env_without_checkout, write_images
 
@@ -310,6 +311,20 @@ def test_discovery_rules_on_a_small_tree(tmp_path: Path) -> None:
     assert starter.dependencies == ["torch"] and starter.dropped == ["gymnasium"]
     readme = str(starter.files["README.md"])
     assert "python train.py +recipe=a\n" in readme and "the `Model`." in readme and "teaches a." in readme
+
+
+def test_no_starter_takes_the_peers_tests(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """tests/peers compare with packages a starter does not install, against pages of our manual it does not have: a
+    starter whose code is all a peers' test imports still leaves it out (control: without the rule it is taken)."""
+    for relative, text in {**SMALL_TREE, "tests/peers/__init__.py": "", "tests/peers/test_x.py": PEERS_TEST}.items():
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).write_text(text)
+    assert "tests/peers/test_x.py" not in plan("a", "p", root=tmp_path).files
+    monkeypatch.setattr(new_project, "NOT_TAKEN", ())
+    assert "tests/peers/test_x.py" in plan("a", "p", root=tmp_path).files
+
+
+PEERS_TEST = "from copy_correct import X\n"
 
 
 def test_refuses_a_non_empty_dest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
