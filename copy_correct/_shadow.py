@@ -56,11 +56,10 @@ class Group:
     staging: list[torch.Tensor] = field(default_factory=list)  # when shadow and live differ in dtype or device
     names: list[str] = field(default_factory=list)  # the state_dict name of each live tensor, for messages
     parameters: list[bool] = field(default_factory=list)  # whether each live tensor is a parameter
+    shadows: list[torch.Tensor] = field(init=False)  # copies[0] (EMA's only copy), the same list
 
-    @property
-    def shadows(self) -> list[torch.Tensor]:
-        """The first copy's shadows (``EMA``'s only copy)."""
-        return self.copies[0]
+    def __post_init__(self) -> None:
+        self.shadows = self.copies[0]
 
 
 class Shadows:
