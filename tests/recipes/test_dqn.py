@@ -264,7 +264,7 @@ ATARI = [
 @NEEDS_ALE
 def test_the_atari_configuration_plays_breakout_into_a_frame_replay_with_the_nature_network(tmp_path: Path) -> None:
     """CleanRL's dqn_atari.py settings: uint8 stacks of 4 84x84 frames, each frame kept once; a million transitions
-    would take 7.1 GB, where the whole-stack buffer of the other environments takes 56 GB."""
+    would take 7.2 GB, where the whole-stack buffer of the other environments takes 56.5 GB (docs/recipes/dqn.md)."""
     model = build(compose_config("+recipe=dqn", "+dqn=atari", "model.buffer_size=20000", output_dir=tmp_path))[1]
     assert model.env.observation_space.shape == (4, 84, 84) and model.env.observation_space.dtype == np.uint8
     assert isinstance(model.q, NatureQNetwork) and isinstance(model.buffer, FrameReplayBuffer)
