@@ -27,6 +27,7 @@ from copy_correct.lightning import EMAWeights
 from tests.lightning.test_ema_weights import loader
 from tests.lightning.test_ema_weights_module import TwoNets
 from tests.workers import end_rank, join_as_lightning_rank
+from tests.workers.sharded_callback import Truth
 
 
 class ShardedTwoNets(TwoNets):
@@ -45,22 +46,6 @@ class ShardedTwoNets(TwoNets):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, foreach=True)
-
-
-class Truth(pl.Callback):
-    """After each step's EMA update: the gathered live weights and average (every rank gathers, rank 0 keeps)."""
-
-    def __init__(self, ema: EMAWeights) -> None:
-        self.ema, self.at = ema, {}
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        assert self.ema.ema is not None
-        live = {k: full(v) for k, v in pl_module.state_dict().items()}
-        self.at[trainer.global_step] = live, self.ema.ema.full_state_dict()
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor().cpu() if is_sharded(t) else t.detach().cpu().clone()
 
 
 def fit(directory: Path, distributed: bool, ckpt_path: Path | None = None) -> tuple[dict[str, Any], dict]:
