@@ -428,7 +428,7 @@ def test_bad_arguments_fail_at_construction() -> None:
 @pytest.mark.parametrize(
     "bad",
     [{"decay": 1.5}, {"warmup_power": "x"}, {"update_every": 0}, {"start_step": True}, {"shadow_dtype": torch.int64},
-     {"device": 3}, {"skip_nonfinite": "yes"}, {"warmup": "sometimes"}],
+     {"device": "nowhere"}, {"device": 2.5}, {"skip_nonfinite": "yes"}, {"warmup": "sometimes"}],
 )  # fmt: skip
 def test_the_callback_refuses_a_bad_ema_argument_in_the_words_of_ema_without_building_one(
     bad: dict[str, Any], monkeypatch: pytest.MonkeyPatch
