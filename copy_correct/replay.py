@@ -206,15 +206,25 @@ class ReplayBuffer:
         refuses tensors that view one storage in several dtypes. So only the filled rows are saved."""
         fields = {name: torch.from_dlpack(getattr(self, name)[: self.size]) for name in FIELDS}
         return {
-            "pos": self.pos, "size": self.size, "autoreset_mode": self.autoreset_mode,
-            "ended": torch.from_numpy(self._ended), **fields,
+            "capacity": self.capacity, "num_envs": self.num_envs, "pos": self.pos, "size": self.size,
+            "autoreset_mode": self.autoreset_mode, "ended": torch.from_numpy(self._ended), **fields,
         }  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Copy a saved buffer into this one's storage; its size, shapes, dtypes, autoreset mode and envs must fit."""
+        """Copy a saved buffer into this one's storage (copies: nothing shared with the state); its capacity,
+        ``num_envs``, shapes, dtypes and autoreset mode must be this one's, or it is refused in one line naming both:
+        a ring of another capacity would count rows no transition wrote. A state saved before it held the capacity
+        loads only when it never wrapped (its next row follows its last) or filled this capacity."""
         size, pos = int(state["size"]), int(state["pos"])
         if not 0 <= size <= self.capacity or not 0 <= pos < self.capacity:
             raise ValueError(f"saved buffer (size {size}, pos {pos}) does not fit capacity {self.capacity}")
+        if "capacity" in state:
+            check_settings(state, self, ("capacity", "num_envs"))
+        elif pos != size and size != self.capacity:
+            raise ValueError(
+                f"saved buffer wrapped around a capacity of {size} rows (pos {pos}), this one has {self.capacity}: "
+                "build the buffer with the saved capacity"
+            )
         check_settings(state, self, ("autoreset_mode",))
         ended = state["ended"]
         if tuple(ended.shape) != self._ended.shape or ended.dtype != torch.bool:
