@@ -5,6 +5,7 @@ run resumed from a checkpoint ends on every rank as the uninterrupted one, per-r
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,19 @@ SHORT = {
 }  # fmt: skip
 
 
+def aborted_at_exit(result: subprocess.CompletedProcess[str]) -> bool:
+    """Whether a rank aborted after ``fit`` had ended, as the interpreter exited: gloo's threads are torn down during
+    finalization and can abort the process (SIGABRT, "terminate called without an active exception"), the abort our
+    own workers avoid with ``end_rank`` (a barrier, ``destroy_process_group`` and ``os._exit``). Seen about once in a
+    few CI runs; ``train.py`` has no such exit yet, so a run that aborted only there is run once more, and any other
+    failure, or the abort twice, fails the test."""
+    return (
+        result.returncode == -6
+        and "`Trainer.fit` stopped" in result.stderr
+        and result.stderr.rstrip().endswith("terminate called without an active exception")
+    )
+
+
 def run_ddp(recipe: str, cwd: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], dict, dict]:
     """Train ``recipe`` on 2 gloo processes from ``cwd`` (so Hydra makes its own run directory there); ``extra``
     overrides replace the short run's own settings of the same keys."""
@@ -36,9 +50,15 @@ def run_ddp(recipe: str, cwd: Path, *extra: str) -> tuple[subprocess.CompletedPr
         "+callbacks.rank_state._target_=tests.workers.rank_state.SaveRankState",
         f"+callbacks.rank_state.dirpath={cwd / 'ranks'}",
     ]  # fmt: skip
-    result = subprocess.run(
-        command, cwd=cwd, capture_output=True, text=True, timeout=600, env=child_env(PYTHONUNBUFFERED="1")
-    )
+    before = set(cwd.iterdir())
+    for _ in range(2):
+        result = subprocess.run(
+            command, cwd=cwd, capture_output=True, text=True, timeout=600, env=child_env(PYTHONUNBUFFERED="1")
+        )
+        if not aborted_at_exit(result):
+            break
+        for made in set(cwd.iterdir()) - before:  # run once more from the same start, this attempt's outputs gone
+            shutil.rmtree(made) if made.is_dir() else made.unlink()
     assert result.returncode == 0, result.stderr[-3000:]
     load = lambda rank: torch.load(cwd / "ranks" / f"rank{rank}.pt", weights_only=True)  # noqa: E731
     return result, load(0), load(1)
@@ -139,3 +159,14 @@ def test_gan_resumed_under_ddp_ends_on_each_rank_as_the_uninterrupted_run(
     rank0, rank1 = resumed_from(tmp_path / "rank0_everywhere.ckpt", "control")
     assert not torch.equal(rank1["rng"], uninterrupted[1]["rng"])
     assert any(not torch.equal(weights, uninterrupted[0]["model"][name]) for name, weights in rank0["model"].items())
+
+
+def test_only_an_abort_after_fit_at_exit_is_run_again() -> None:
+    def finished(code: int, stderr: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess([], code, "", stderr)
+
+    ended = "INFO: `Trainer.fit` stopped: `max_epochs=2` reached.\nterminate called without an active exception\n"
+    assert aborted_at_exit(finished(-6, ended))
+    assert not aborted_at_exit(finished(-6, "terminate called without an active exception\n"))  # before fit ended
+    assert not aborted_at_exit(finished(1, ended))  # another failure
+    assert not aborted_at_exit(finished(-6, ended + "Traceback (most recent call last):\n"))
