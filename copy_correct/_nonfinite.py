@@ -42,7 +42,8 @@ from copy_correct.decay_schedule import DecaySchedule
 __all__ = ["TARGET_GUARDS", "NonFiniteGuard", "ProfilesGuard", "guard_wanted", "refuse_nonfinite", "skipped_updates"]
 
 # Each guarded target network of ``hard_update``/``soft_update`` (weakly held): the target tensors its guard was built
-# on, their data pointers, and the guard, whose ``skipped`` is the count (``copy_correct.target`` keeps it).
+# on, their data pointers, and the guard, whose ``skipped`` is the count. ``copy_correct.target`` rebuilds the entry
+# when those change (a new online network, buffers replaced or data swapped by ``model.to(...)``), the count kept.
 TARGET_GUARDS: weakref.WeakKeyDictionary[nn.Module, tuple[list[torch.Tensor], list[int], Any]] = (
     weakref.WeakKeyDictionary()
 )

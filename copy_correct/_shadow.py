@@ -3,7 +3,7 @@
 
 Copy contract:
 
-* Every shadow is a new tensor made once, by ``detach``-free ``.to(copy=True)`` under ``no_grad`` at construction:
+* Every shadow is a new tensor made once, by ``.to(copy=True)`` under ``no_grad`` at construction:
   ``requires_grad=False``, never an ``nn.Parameter``, never in ``model.parameters()``, an optimizer or autograd. Tied
   tensors share one shadow per copy. A sharded (FSDP2) tensor's shadow is a ``DTensor`` spread like it whose local
   tensor is a copy of this rank's shard; buffers, which FSDP2 does not shard, are kept whole.

@@ -148,19 +148,12 @@ class _HostGuard:
         self.skipped = skipped
 
 
-# Per target, its guard and the target tensors (and their data pointers) it was built on, rebuilt when they change: new
-# lists for a new online network, buffers replaced or parameters' data swapped by ``model.to(...)`` (the device guard
-# writes through views of the storage; a CPU target's may change its device or dtype); the skip count carries over.
-# Tensors only: the target stays weakly held. ``skipped_updates`` reads the count from there.
-_GUARDS = TARGET_GUARDS
-
-
 def _guard(target: nn.Module, groups: list[_PairGroup]) -> NonFiniteGuard | _HostGuard:
     """The target's guard, built on the first guarded update and when its tensors change: a ``_HostGuard`` when every
     target tensor is on the CPU, else a ``NonFiniteGuard``."""
     tensors = [t for group in groups for t in group.target.resolve()]
     pointers = [t.data_ptr() for t in tensors]
-    guarded = _GUARDS.get(target)
+    guarded = TARGET_GUARDS.get(target)
     if guarded is not None and guarded[1] == pointers and all(map(operator.is_, guarded[0], tensors)):
         return guarded[2]
     if any(is_sharded(t) for t in tensors):
@@ -181,7 +174,7 @@ def _guard(target: nn.Module, groups: list[_PairGroup]) -> NonFiniteGuard | _Hos
             skipped = torch.full((), count, dtype=torch.float64, device=tensors[0].device)
         applied = torch.zeros((), dtype=torch.float64, device=skipped.device)  # no warm-up here: never read
         guard = NonFiniteGuard([(group.target.resolve(), group.average) for group in groups], skipped, applied)
-    _GUARDS[target] = (tensors, pointers, guard)
+    TARGET_GUARDS[target] = (tensors, pointers, guard)
     return guard
 
 

@@ -197,9 +197,9 @@ def test_a_dropped_target_frees_its_guard() -> None:
     probe = target[0].weight
     del target
     gc.collect()
-    from copy_correct.target import _GUARDS
+    from copy_correct._nonfinite import TARGET_GUARDS
 
-    assert all(probe is not t for tensors, _, _ in _GUARDS.values() for t in tensors)
+    assert all(probe is not t for tensors, _, _ in TARGET_GUARDS.values() for t in tensors)
 
 
 @pytest.mark.gpu
