@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from copy_correct import _host_batch
+from copy_correct import _host_batch, _n_step
 from copy_correct._autoreset import AUTORESET_MODES, parse_mode
 from copy_correct._checks import device as checked_device
 from copy_correct._checks import integral
@@ -72,6 +72,8 @@ class FrameReplayBuffer:
         padding: what stands before an episode's first frame in a stack: ``"reset"`` (copies of it, gymnasium's
             ``FrameStackObservation`` default) or ``"zero"`` (its ``padding_type="zero"``).
         action_dtype: storage dtype of actions; default: the space's (``Discrete``: int64), else int64.
+        n_steps, gamma: n-step returns and ``discounts`` in ``sample``'s batches, as ``ReplayBuffer``'s: an env
+            stream's next transition is the one that starts at the frame after.
 
     Attributes:
         stack, frame_shape: the frames per observation and the shape of one frame.
@@ -88,8 +90,11 @@ class FrameReplayBuffer:
         autoreset_mode: Any = None,
         padding: str = "reset",
         action_dtype: Any = None,
+        n_steps: int = 1,
+        gamma: float | None = None,
     ) -> None:
         check_num_envs(num_envs)
+        self.n_steps, self.gamma = _n_step.settings(n_steps, gamma)
         integral("capacity", capacity, "an integer >= 1")
         self.autoreset_mode = parse_mode(autoreset_mode, num_envs)
         if padding not in PADDINGS:
@@ -220,7 +225,8 @@ class FrameReplayBuffer:
     ) -> dict[str, torch.Tensor]:
         """``batch_size`` transitions drawn uniformly with replacement, as new tensors on ``device``: ``obs`` and
         ``next_obs`` the stacks the env gave (shape ``(batch_size, stack, *frame)``), ``action``, ``reward``,
-        ``terminated``, ``truncated``. Candidates are frames drawn by ``torch.randint`` with ``generator``, a quarter
+        ``terminated``, ``truncated`` (with ``n_steps > 1``, each the window's: ``ReplayBuffer.sample``; with
+        ``gamma``, ``discounts``). Candidates are frames drawn by ``torch.randint`` with ``generator``, a quarter
         more than needed, and the first that start a transition whose stacks are still in the ring are kept (an
         episode's last frame starts none); more are drawn in the rare case that too few were.
 
@@ -252,15 +258,35 @@ class FrameReplayBuffer:
         rows = envs * length + positions % length  # into the per-slot fields, flattened
         start = self._start_flat.take(rows)[:, None]
         obs_at = positions[:, None] + self._offsets
+        window = None if self.n_steps == 1 else self._window(rows)
+        last, steps = (rows, 1) if window is None else (window.last, window.steps[:, None])
         batch = {
             "obs": self._gather(envs, obs_at, start, pinned),
             "action": taken(self._action_flat, rows, pinned),
-            "reward": taken(self._reward_flat, rows, pinned),
-            "next_obs": self._gather(envs, obs_at + 1, start, pinned),
-            "terminated": taken(self._terminated_flat, rows, pinned),
-            "truncated": taken(self._truncated_flat, rows, pinned),
+            "reward": taken(self._reward_flat, rows, pinned)
+            if window is None
+            else _n_step.held(window.returns, pinned),
+            "next_obs": self._gather(envs, obs_at + steps, start, pinned),
+            "terminated": taken(self._terminated_flat, last, pinned),
+            "truncated": taken(self._truncated_flat, last, pinned),
         }
+        if self.gamma is not None:
+            discounts = np.full(batch_size, self.gamma, np.float32) if window is None else window.discounts
+            batch["discounts"] = _n_step.held(discounts, pinned)
         return batch if target.type == "cpu" else _host_batch.moved(batch, target)
+
+    def _window(self, rows: np.ndarray) -> _n_step.Window:
+        """The n-step windows of the transitions at ``rows`` (``copy_correct._n_step``): a stream's next transition
+        starts at the next slot, if one was stored there (its episode's first frame, or its current one, is none)."""
+        length, valid = self._length, self._valid_flat
+
+        def following(at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            slots = at % length
+            after = at - slots + (slots + 1) % length
+            return after, valid[after]
+
+        reward, terminated, truncated = self._reward_flat, self._terminated_flat, self._truncated_flat
+        return _n_step.windows(rows, following, reward, terminated, truncated, self.n_steps, self.gamma)
 
     def _gather(self, envs: np.ndarray, positions: np.ndarray, start: np.ndarray, pinned: bool) -> torch.Tensor:
         """The frames at ``positions`` (batch, stack) of each row's env: those before the row's episode start are its

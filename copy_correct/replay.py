@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from copy_correct import _host_batch
+from copy_correct import _host_batch, _n_step
 from copy_correct._autoreset import parse_mode
 from copy_correct._checks import device as checked_device
 from copy_correct._checks import integral
@@ -53,6 +53,7 @@ from copy_correct._replay_writes import EnvRows, add_for, storage
 __all__ = ["ReplayBuffer"]
 
 FIELDS = ("obs", "action", "reward", "next_obs", "terminated", "truncated")
+_OF_THE_LAST = frozenset({"next_obs", "terminated", "truncated"})  # an n-step window's last transition's fields
 _TORCH_GATHER_BYTES = 512 * 1024  # a field's batch from this size on is gathered by torch (see sample)
 
 
@@ -76,6 +77,12 @@ class ReplayBuffer:
         device: where the storage lives, and so where samples are gathered: the CPU (the default) unless transitions
             are made on the GPU (module docstring: on CUDA each ``add`` of host data waits for six copies).
             ``sample(..., device=)`` says where a batch goes.
+        n_steps: transitions summed into each sampled one (stable-baselines3's name; ``copy_correct._n_step``):
+            ``sample``'s ``reward`` is the discounted sum of up to ``n_steps`` rewards of the drawn transition's env,
+            ``next_obs``, ``terminated`` and ``truncated`` the window's last transition's. 1 (the default): the
+            stored transitions as they are. More needs the storage on the CPU and ``gamma``.
+        gamma: the agent's discount; given, a batch holds ``discounts``, ``gamma**m`` for the ``m`` transitions
+            summed (the bootstrap factor; ``gamma`` with ``n_steps=1``).
 
     Attributes:
         obs, action, reward, next_obs, terminated, truncated: the storage, ``capacity`` rows each, views of one
@@ -96,8 +103,11 @@ class ReplayBuffer:
         num_envs: int | None = None,
         autoreset_mode: Any = None,
         device: str | torch.device = "cpu",
+        n_steps: int = 1,
+        gamma: float | None = None,
     ) -> None:
         check_num_envs(num_envs)
+        self.n_steps, self.gamma = _n_step.settings(n_steps, gamma)
         if integral("capacity", capacity, "an integer >= 1") < max(1, num_envs or 1):
             raise ValueError(f"capacity must be >= 1 and >= num_envs, got {capacity}")
         self.autoreset_mode = parse_mode(autoreset_mode, num_envs)
@@ -115,6 +125,11 @@ class ReplayBuffer:
             "truncated": ((), np.dtype(np.bool_)),
         }
         self._on_cpu = on_cpu = self.device.type == "cpu"
+        if n_steps > 1 and not on_cpu:
+            raise ValueError(
+                f"n_steps={n_steps} needs the buffer's storage on the CPU (device='cpu', the default), got "
+                f"device={str(self.device)!r}: keep it there and sample(..., device=...) the batch onto the GPU"
+            )
         self._base, self._fields = storage(capacity, fields, num_envs, self.device)
         self.nbytes = self._base.numel()
         for field in self._fields:
@@ -128,6 +143,13 @@ class ReplayBuffer:
         self._rows = EnvRows(self._fields, num_envs) if on_cpu and num_envs and capacity % num_envs == 0 else None
         self._version_of = (self._base,)  # the one counter of all six tensors, raised once per add
         self._add = add_for(self)  # every add's path, chosen once: a function (a bound method would be a cycle)
+        # n-step windows follow an env's rows: a fixed stride apart, unless next_step's skipped rows shift them
+        self._next_row = self._last_row = None
+        if n_steps > 1 and num_envs is not None and num_envs > 1 and self._next_step:
+            self._next_row = np.full(capacity, -1, dtype=np.int64)
+            self._last_row = np.full(num_envs, -1, dtype=np.int64)
+            self.nbytes += self._next_row.nbytes + self._last_row.nbytes
+            self._add = _n_step.linked(self._add)
         self.pos = 0
         self.size = 0
 
@@ -169,7 +191,9 @@ class ReplayBuffer:
         self, batch_size: int, generator: torch.Generator | None = None, *, device: str | torch.device | None = None
     ) -> dict[str, torch.Tensor]:
         """``batch_size`` transitions drawn uniformly with replacement, as new tensors on ``device`` (default: the
-        buffer's), in the stored dtypes. The indices come from ``torch.randint`` on the CPU with ``generator``.
+        buffer's), in the stored dtypes. The indices come from ``torch.randint`` on the CPU with ``generator``. With
+        ``n_steps > 1`` each is its window (``reward``, ``next_obs``, ``terminated``, ``truncated``: the ``n_steps``
+        argument); with ``gamma``, ``discounts`` (float32) is added.
 
         On the CPU the batch is gathered the faster way for each field's size (measured by ``benchmarks/replay.py``):
         by numpy's ``take`` under 512 KiB (less overhead per call: vectors, rewards, flags); from there on, when torch
@@ -184,27 +208,59 @@ class ReplayBuffer:
         check_sample(batch_size, generator)
         target = self.device if device is None else checked_device("device", device)
         index = torch.randint(self.size, (batch_size,), generator=generator, device="cpu")
-        if not self._on_cpu:
+        if not self._on_cpu:  # n_steps is 1 (checked at construction)
             index = index.to(self.device)
             batch = {name: getattr(self, name).index_select(0, index) for name in FIELDS}
+            if self.gamma is not None:
+                batch["discounts"] = torch.full((batch_size,), self.gamma, dtype=torch.float32, device=self.device)
             return batch if target == self.device else _host_batch.moved(batch, target)
         rows, threads, batch = index.numpy(), torch.get_num_threads(), {}
         pinned = target.type == "cuda"
+        first = last = (index, rows)
+        window = None if self.n_steps == 1 else self._window(rows)
+        if window is not None:
+            last = (torch.from_numpy(window.last), window.last)
         for field in self._fields:
+            at, at_rows = last if field.name in _OF_THE_LAST else first
             if threads > 1 and field.row_bytes * batch_size >= _TORCH_GATHER_BYTES:
                 _, out = _host_batch.empty((batch_size, *field.shape), field.writer.dtype, pinned)
-                batch[field.name] = torch.index_select(field.tensor, 0, index, out=out)
+                batch[field.name] = torch.index_select(field.tensor, 0, at, out=out)
             else:
-                batch[field.name] = taken(field.writer, rows, pinned)
+                batch[field.name] = taken(field.writer, at_rows, pinned)
+        if window is not None:
+            batch["reward"] = _n_step.held(window.returns, pinned)
+        if self.gamma is not None:
+            discounts = np.full(batch_size, self.gamma, np.float32) if window is None else window.discounts
+            batch["discounts"] = _n_step.held(discounts, pinned)
         return batch if target.type == "cpu" else _host_batch.moved(batch, target)
+
+    def _window(self, rows: np.ndarray) -> _n_step.Window:
+        """The n-step windows of the transitions at ``rows`` (``copy_correct._n_step``)."""
+        _, _, reward, _, terminated, truncated = (field.writer for field in self._fields)
+        return _n_step.windows(rows, self._following, reward, terminated, truncated, self.n_steps, self.gamma)
+
+    def _following(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The row of the next transition of each row's env, and whether it is written yet: ``num_envs`` rows on (an
+        ``add`` writes every env's row, in order), or the link kept where ``"next_step"`` leaves reset steps out."""
+        if self._next_row is not None:
+            after = self._next_row[rows]
+            return after, after >= 0
+        stride = self.num_envs or 1
+        return (rows + stride) % self.capacity, (self.pos - 1 - rows) % self.capacity >= stride
 
     def state_dict(self) -> dict[str, Any]:
         """The filled rows of each field (sharing the buffer's memory, not copied), the write position, the autoreset
         mode and ``ended``: which envs' next rows are reset steps (``"next_step"``; one flag per env).
 
         Each field is a tensor over a storage of its own, made with DLPack over the same memory: ``torch.save``
-        refuses tensors that view one storage in several dtypes. So only the filled rows are saved."""
+        refuses tensors that view one storage in several dtypes. So only the filled rows are saved. With ``n_steps``
+        and ``"next_step"``'s several envs, the rows' links too (``next_row``, ``last_row``: ``_n_step.linked``)."""
         fields = {name: torch.from_dlpack(getattr(self, name)[: self.size]) for name in FIELDS}
+        if self._next_row is not None:
+            fields |= {
+                "next_row": torch.from_numpy(self._next_row[: self.size]),
+                "last_row": torch.from_numpy(self._last_row),
+            }
         return {
             "capacity": self.capacity, "num_envs": self.num_envs, "pos": self.pos, "size": self.size,
             "autoreset_mode": self.autoreset_mode, "ended": torch.from_numpy(self._ended), **fields,
@@ -214,7 +270,9 @@ class ReplayBuffer:
         """Copy a saved buffer into this one's storage (copies: nothing shared with the state); its capacity,
         ``num_envs``, shapes, dtypes and autoreset mode must be this one's, or it is refused in one line naming both:
         a ring of another capacity would count rows no transition wrote. A state saved before it held the capacity
-        loads only when it never wrapped (its next row follows its last) or filled this capacity."""
+        loads only when it never wrapped (its next row follows its last) or filled this capacity. A buffer that links
+        its rows for ``n_steps`` (``state_dict``) needs a state that holds the links: one saved without them
+        (``n_steps=1``) is refused, as its windows could not be found."""
         size, pos = int(state["size"]), int(state["pos"])
         if not 0 <= size <= self.capacity or not 0 <= pos < self.capacity:
             raise ValueError(f"saved buffer (size {size}, pos {pos}) does not fit capacity {self.capacity}")
@@ -236,9 +294,28 @@ class ReplayBuffer:
                 raise ValueError(
                     f"saved {name} is {tuple(saved.shape)} {saved.dtype}, expected {expected} {into.dtype}"
                 )
+        links = self._checked_links(state, size)
         with torch.no_grad():
             for name in FIELDS:
                 getattr(self, name)[:size].copy_(state[name])
+        if links is not None:
+            self._next_row[:] = -1
+            self._next_row[:size], self._last_row[:] = links
         self._ended[:] = ended.cpu().numpy()
         self._skip = bool(self._ended.any())
         self.size, self.pos = size, pos
+
+    def _checked_links(self, state: Mapping[str, Any], size: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The saved links of the rows (``_n_step.linked``) as numpy arrays, checked, if this buffer keeps them."""
+        if self._next_row is None:
+            return None
+        if "next_row" not in state:
+            raise ValueError(
+                f"saved buffer has no n-step links (saved with n_steps=1?), this one has n_steps={self.n_steps} with "
+                f"{self.num_envs} envs in next_step mode: load it into a buffer with n_steps=1"
+            )
+        links = state["next_row"].numpy(), state["last_row"].numpy()
+        for name, saved, expected in zip(("next_row", "last_row"), links, ((size,), self._last_row.shape), strict=True):
+            if saved.shape != expected or saved.dtype != np.int64 or ((saved < -1) | (saved >= size)).any():
+                raise ValueError(f"saved {name} is {saved.shape} {saved.dtype}, expected {expected} int64 rows")
+        return links
