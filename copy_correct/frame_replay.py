@@ -278,15 +278,12 @@ class FrameReplayBuffer:
     def _window(self, rows: np.ndarray) -> _n_step.Window:
         """The n-step windows of the transitions at ``rows`` (``copy_correct._n_step``): a stream's next transition
         starts at the next slot, if one was stored there (its episode's first frame, or its current one, is none)."""
-        length, valid = self._length, self._valid_flat
-
-        def following(at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            slots = at % length
-            after = at - slots + (slots + 1) % length
-            return after, valid[after]
-
+        length = self._length
+        slots = rows % length
+        window = (rows - slots)[:, None] + (slots[:, None] + np.arange(self.n_steps)) % length
+        written = self._valid_flat[window]  # the first, a drawn transition's, is valid
         reward, terminated, truncated = self._reward_flat, self._terminated_flat, self._truncated_flat
-        return _n_step.windows(rows, following, reward, terminated, truncated, self.n_steps, self.gamma)
+        return _n_step.windows(window, written, reward, terminated, truncated, self.gamma)
 
     def _gather(self, envs: np.ndarray, positions: np.ndarray, start: np.ndarray, pinned: bool) -> torch.Tensor:
         """The frames at ``positions`` (batch, stack) of each row's env: those before the row's episode start are its

@@ -145,9 +145,11 @@ class ReplayBuffer:
         self._add = add_for(self)  # every add's path, chosen once: a function (a bound method would be a cycle)
         # n-step windows follow an env's rows: a fixed stride apart, unless next_step's skipped rows shift them
         self._next_row = self._last_row = None
+        self._strides = np.arange(n_steps, dtype=np.int64) * (num_envs or 1)
         if n_steps > 1 and num_envs is not None and num_envs > 1 and self._next_step:
             self._next_row = np.full(capacity, -1, dtype=np.int64)
             self._last_row = np.full(num_envs, -1, dtype=np.int64)
+            self._last_row_envs = np.arange(num_envs)
             self.nbytes += self._next_row.nbytes + self._last_row.nbytes
             self._add = _n_step.linked(self._add)
         self.pos = 0
@@ -235,18 +237,23 @@ class ReplayBuffer:
         return batch if target.type == "cpu" else _host_batch.moved(batch, target)
 
     def _window(self, rows: np.ndarray) -> _n_step.Window:
-        """The n-step windows of the transitions at ``rows`` (``copy_correct._n_step``)."""
+        """The n-step windows of the transitions at ``rows`` (``copy_correct._n_step``). An env's next row is
+        ``num_envs`` rows on (an ``add`` writes every env's row, in order), written if the ring's newest rows are
+        that far on; where ``"next_step"`` leaves reset steps out, the link kept for it."""
         _, _, reward, _, terminated, truncated = (field.writer for field in self._fields)
-        return _n_step.windows(rows, self._following, reward, terminated, truncated, self.n_steps, self.gamma)
-
-    def _following(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The row of the next transition of each row's env, and whether it is written yet: ``num_envs`` rows on (an
-        ``add`` writes every env's row, in order), or the link kept where ``"next_step"`` leaves reset steps out."""
-        if self._next_row is not None:
-            after = self._next_row[rows]
-            return after, after >= 0
-        stride = self.num_envs or 1
-        return (rows + stride) % self.capacity, (self.pos - 1 - rows) % self.capacity >= stride
+        if self._next_row is None:
+            ahead = self._strides
+            window = (rows[:, None] + ahead) % self.capacity
+            written = ahead <= ((self.pos - 1 - rows) % self.capacity)[:, None]
+        else:
+            window = np.empty((len(rows), self.n_steps), dtype=np.int64)
+            written = np.ones((len(rows), self.n_steps), dtype=np.bool_)
+            window[:, 0] = rows
+            for k in range(1, self.n_steps):
+                after = self._next_row[window[:, k - 1]]
+                written[:, k] = after >= 0
+                window[:, k] = np.where(written[:, k], after, window[:, k - 1])
+        return _n_step.windows(window, written, reward, terminated, truncated, self.gamma)
 
     def state_dict(self) -> dict[str, Any]:
         """The filled rows of each field (sharing the buffer's memory, not copied), the write position, the autoreset

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from copy_correct import ReplayBuffer
+from copy_correct import ReplayBuffer, _n_step
 
 GAMMA = 0.9
 
@@ -136,22 +136,30 @@ def test_every_sampled_window_is_the_oracles(case: str, n_steps: int) -> None:
 class Strided(ReplayBuffer):
     """The control: an env's next row always ``num_envs`` rows on, as if every add wrote every env's row."""
 
-    def _following(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        stride = self.num_envs or 1
-        return (rows + stride) % self.capacity, (self.pos - 1 - rows) % self.capacity >= stride
+    def _window(self, rows: np.ndarray) -> _n_step.Window:
+        links, self._next_row = self._next_row, None
+        try:
+            return super()._window(rows)
+        finally:
+            self._next_row = links
 
 
-class PastTheNewest(ReplayBuffer):
+def past_the_newest(rows: np.ndarray, written: np.ndarray, *args: object) -> _n_step.Window:
     """The control: windows that do not stop at an env's newest transition (the rows after it are older ones)."""
-
-    def _following(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        after, _ = super()._following(rows)
-        return after, np.ones(len(rows), dtype=bool)
+    return windows(rows, np.ones_like(written), *args)
 
 
-@pytest.mark.parametrize(("kind", "case"), [(Strided, "next_step"), (PastTheNewest, "same_step")])
-def test_the_controls_windows_that_misread_the_rows_are_caught(kind: type[ReplayBuffer], case: str) -> None:
-    wrong, _ = play(built(case, 3, kind), CASES[case][1], 600)
+windows = _n_step.windows
+
+
+def test_the_control_a_fixed_stride_through_next_step_rows_is_caught() -> None:
+    wrong, _ = play(built("next_step", 3, Strided), "next_step", 600)
+    assert len(wrong) > 50
+
+
+def test_the_control_windows_past_the_newest_transition_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_n_step, "windows", past_the_newest)
+    wrong, _ = play(built("same_step", 3), "same_step", 600)
     assert len(wrong) > 50
 
 
