@@ -16,6 +16,8 @@ What it shows:
     Stacks of frames (Atari: 4 frames of 84x84) go into a ``FrameReplayBuffer``, which keeps each frame once and
     rebuilds the stacks when it samples: an eighth of the memory (``model.replay``).
   * Truncation (a time limit: CartPole's 500 steps) is not termination: those transitions still bootstrap.
+  * ``model.n_steps`` (1 by default): n-step returns, read by the buffer from its one-step rows at sample time; the
+    target bootstraps by the batch's ``discounts`` (``gamma**m`` for the ``m`` rewards summed), not by ``gamma``.
 
 One Lightning "batch" is one round: ``train_freq`` environment steps, then ``gradient_steps`` updates.
 Greedy evaluation (``eval_episodes`` episodes) every ``eval_every`` environment steps, after the updates of the
@@ -118,6 +120,7 @@ class DQN(pl.LightningModule):
         hidden: int = 256,
         lr: float = 2.3e-3,
         gamma: float = 0.99,
+        n_steps: int = 1,
         batch_size: int = 64,
         buffer_size: int = 100_000,
         learning_starts: int = 1_000,
@@ -144,7 +147,7 @@ class DQN(pl.LightningModule):
             ("exploration_final_eps", exploration_final_eps, 0.0 <= exploration_final_eps <= 1.0, "in [0, 1]"),
         ])  # fmt: skip
         at_least_one(
-            hidden=hidden, batch_size=batch_size, buffer_size=buffer_size, train_freq=train_freq,
+            hidden=hidden, n_steps=n_steps, batch_size=batch_size, buffer_size=buffer_size, train_freq=train_freq,
             gradient_steps=gradient_steps, target_update_every=target_update_every, total_env_steps=total_env_steps,
             eval_every=eval_every, eval_episodes=eval_episodes,
         )  # fmt: skip
@@ -173,7 +176,10 @@ class DQN(pl.LightningModule):
         # over. A buffer this machine cannot hold is refused naming model.buffer_size and the bytes.
         what = f"model.buffer_size={buffer_size} (a {kind.__name__} of {env_id})"
         self.buffer: ReplayBuffer | FrameReplayBuffer = allocated(
-            lambda: kind(buffer_size, observations, actions), what, "model.buffer_size"
+            # n-step windows are read from the one-step rows at sample time: nothing more is stored
+            lambda: kind(buffer_size, observations, actions, n_steps=n_steps, gamma=gamma),
+            what,
+            "model.buffer_size",
         )
         self.rng = np.random.default_rng(seed)
         self.sampler = torch.Generator().manual_seed(seed)
@@ -308,8 +314,8 @@ class DQN(pl.LightningModule):
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         with torch.no_grad():  # Copy decision: no graph through the target, so nothing of it is kept
             next_value = self.target(batch["next_obs"]).max(dim=1).values
-            # truncation is not termination: a truncated transition still bootstraps
-            target = batch["reward"] + self.hparams.gamma * (~batch["terminated"]).float() * next_value
+            # truncation is not termination: a truncated transition still bootstraps, by gamma**m for its m rewards
+            target = batch["reward"] + batch["discounts"] * (~batch["terminated"]).float() * next_value
         value = self.q(batch["obs"]).gather(1, batch["action"].unsqueeze(1)).squeeze(1)
         return F.smooth_l1_loss(value, target)
 

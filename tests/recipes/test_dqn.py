@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from copy_correct import CheckpointMismatch, FrameReplayBuffer, make_target
 from copy_correct.probes import MemoryProbe, storage_key
@@ -63,6 +64,24 @@ def test_no_gradient_reaches_the_target_and_the_naive_copy_is_the_control() -> N
     value = model.q(batch["obs"]).gather(1, batch["action"].unsqueeze(1)).squeeze(1)
     (value - (batch["reward"] + 0.99 * next_value)).square().mean().backward()
     assert all(p.grad is not None for p in naive.parameters())  # the target would be trained too
+
+
+@pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)` but the `self.trainer`")
+def test_n_step_returns_bootstrap_by_the_batchs_discounts_not_by_gamma(tmp_path: Path) -> None:
+    model = build(compose_config("+recipe=dqn", "model.n_steps=3", output_dir=tmp_path))[1]
+    assert (model.buffer.n_steps, model.buffer.gamma) == (3, 0.99)
+    for _ in range(300):
+        model.collect_one_step()
+    batch = model.buffer.sample(256, generator=torch.Generator().manual_seed(0))
+    discounts = sorted(set(batch["discounts"].tolist()))  # 0.99**3, and less where an episode's end cut the window
+    assert np.allclose(discounts, [0.99**3, 0.99**2, 0.99], rtol=1e-6)
+    value = model.q(batch["obs"]).gather(1, batch["action"].unsqueeze(1)).squeeze(1)
+    next_value = model.target(batch["next_obs"]).max(dim=1).values
+    alive = (~batch["terminated"]).float()
+    expected = F.smooth_l1_loss(value, batch["reward"] + batch["discounts"] * alive * next_value)
+    assert torch.equal(model.td_loss(batch), expected)
+    control = F.smooth_l1_loss(value, batch["reward"] + 0.99 * alive * next_value)  # one step's bootstrap
+    assert not torch.isclose(model.td_loss(batch), control)
 
 
 @pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)` but the `self.trainer`")
