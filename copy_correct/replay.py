@@ -191,7 +191,7 @@ class ReplayBuffer:
         rows, threads, batch = index.numpy(), torch.get_num_threads(), {}
         pinned = target.type == "cuda"
         for field in self._fields:
-            if threads > 1 and field.row_bytes * batch_size >= _TORCH_GATHER_BYTES:
+            if threads > 1 and field.row_bytes * batch_size >= _TORCH_GATHER_BYTES and field.torch_gather:
                 _, out = _host_batch.empty((batch_size, *field.shape), field.writer.dtype, pinned)
                 batch[field.name] = torch.index_select(field.tensor, 0, index, out=out)
             else:
