@@ -223,13 +223,43 @@ def test_a_device_buffers_torch_writes_take_uint64_numbers_beyond_int64() -> Non
     assert (missing is None and plain.tolist() == [top]) or "Overflow when unpacking long" in str(missing)
 
 
+def episode_stacks(frames: list[np.ndarray], first: int, last: int) -> list[np.ndarray]:
+    """The stacks of 4 ``FrameStackObservation`` gives from frame ``first`` to ``last``, padded with the first."""
+    return [np.stack([frames[max(first, t - 3 + i)] for i in range(4)]) for t in range(first, last + 1)]
+
+
+def uint_frames(dtype: np.dtype) -> list[np.ndarray]:
+    return [np.full((2, 2), highest(dtype) - t, dtype) for t in range(12)]
+
+
+def frame_buffer(dtype: np.dtype) -> tuple[FrameReplayBuffer, set[tuple[bytes, bytes]]]:
+    """A ``FrameReplayBuffer`` of two episodes of uint frames beyond the signed range (frames 0-6: 6 transitions, the
+    last one terminated; 7-11: 4), and the pairs of stacks the env gave."""
+    buffer = FrameReplayBuffer(32, gym.spaces.Box(0, highest(dtype), (4, 2, 2), dtype))
+    frames, pairs = uint_frames(dtype), set()
+    for first, last in ((0, 6), (7, 11)):
+        stacks = episode_stacks(frames, first, last)
+        for step, (obs, next_obs) in enumerate(pairwise(stacks)):
+            buffer.add(obs, step, 1.0, next_obs, step == len(stacks) - 2, False)
+            pairs.add((obs.tobytes(), next_obs.tobytes()))
+    return buffer, pairs
+
+
+def frames_only(dtype: np.dtype) -> FrameReplayBuffer:
+    return frame_buffer(dtype)[0]
+
+
+MAKERS = [pytest.param(filled, id="ReplayBuffer"), pytest.param(frames_only, id="FrameReplayBuffer")]
+
+
+@pytest.mark.parametrize("make", MAKERS)
 @pytest.mark.parametrize("dtype", UINTS)
 def test_a_cuda_batch_of_uint_fields_is_staged_with_the_cpu_batchs_values(
-    dtype: np.dtype, monkeypatch: pytest.MonkeyPatch
+    dtype: np.dtype, make: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The host side of ``sample(..., device="cuda")`` on any machine (``test_replay_sample_device``): every field,
     gathered by numpy or by torch, lands in the staging ``_host_batch`` hands out, with the CPU batch's values."""
-    buffer = filled(dtype)
+    buffer = make(dtype)
     force_torch_gather(monkeypatch)
     on_cpu = buffer.sample(16, generator=torch.Generator().manual_seed(4))
     staging = Staging(monkeypatch)
@@ -246,9 +276,10 @@ def test_a_cuda_batch_of_uint_fields_is_staged_with_the_cpu_batchs_values(
 
 @CUDA
 @pytest.mark.gpu
+@pytest.mark.parametrize("make", MAKERS)
 @pytest.mark.parametrize("dtype", UINTS)
-def test_a_uint_batch_reaches_the_gpu_with_its_values(dtype: np.dtype) -> None:
-    buffer = filled(dtype)
+def test_a_uint_batch_reaches_the_gpu_with_its_values(dtype: np.dtype, make: Any) -> None:
+    buffer = make(dtype)
     batch = buffer.sample(16, generator=torch.Generator().manual_seed(6), device="cuda")
     on_cpu = buffer.sample(16, generator=torch.Generator().manual_seed(6))
     for name in FIELDS:
@@ -256,32 +287,19 @@ def test_a_uint_batch_reaches_the_gpu_with_its_values(dtype: np.dtype) -> None:
         assert torch.equal(batch[name].cpu(), on_cpu[name]), name
 
 
-def episode_stacks(frames: list[np.ndarray], first: int, last: int) -> list[np.ndarray]:
-    """The stacks of 4 ``FrameStackObservation`` gives from frame ``first`` to ``last``, padded with the first."""
-    return [np.stack([frames[max(first, t - 3 + i)] for i in range(4)]) for t in range(first, last + 1)]
-
-
 @pytest.mark.parametrize("dtype", UINTS)
 def test_frame_replay_buffer_stores_uint_frames_and_rebuilds_their_stacks_exactly(dtype: np.dtype) -> None:
     """Frames beyond the signed range, two episodes; every drawn pair of stacks is one the env gave, in the frames'
     dtype, also after a state round trip. Control: a uint8 frame buffer refuses these frames in one line."""
-    space = gym.spaces.Box(0, highest(dtype), (4, 2, 2), dtype)
-    buffer = FrameReplayBuffer(32, space)
-    frames = [np.full((2, 2), highest(dtype) - t, dtype) for t in range(12)]
-    pairs = set()
-    for first, last in ((0, 6), (7, 11)):  # frames 0-6: 6 transitions, the last one terminated; 7-11: 4
-        stacks = episode_stacks(frames, first, last)
-        for step, (obs, next_obs) in enumerate(pairwise(stacks)):
-            buffer.add(obs, step, 1.0, next_obs, step == len(stacks) - 2, False)
-            pairs.add((obs.tobytes(), next_obs.tobytes()))
+    buffer, pairs = frame_buffer(dtype)
     batch = buffer.sample(64, generator=torch.Generator().manual_seed(0))
     assert batch["obs"].dtype == batch["next_obs"].dtype == TORCH_OF[dtype]
     got = {(o.tobytes(), n.tobytes()) for o, n in zip(batch["obs"].numpy(), batch["next_obs"].numpy(), strict=True)}
     assert got <= pairs and len(got) > 5
-    loaded = FrameReplayBuffer(32, space)
+    loaded = FrameReplayBuffer(32, gym.spaces.Box(0, highest(dtype), (4, 2, 2), dtype))
     loaded.load_state_dict(buffer.state_dict())
     again = loaded.sample(64, generator=torch.Generator().manual_seed(0))
     assert all(torch.equal(again[name], batch[name]) for name in FIELDS)
+    obs, next_obs = episode_stacks(uint_frames(dtype), 0, 1)
     with pytest.raises(ValueError, match=rf"^obs has dtype {dtype.name}, the buffer stores uint8: its values could"):
-        obs, next_obs = episode_stacks(frames, 0, 1)
         FrameReplayBuffer(32, (4, 2, 2)).add(obs, 0, 1.0, next_obs, False)
