@@ -34,6 +34,9 @@ __all__ = [
 TORCH_OF = {
     np.dtype(np.bool_): torch.bool,
     np.dtype(np.uint8): torch.uint8,
+    np.dtype(np.uint16): torch.uint16,
+    np.dtype(np.uint32): torch.uint32,
+    np.dtype(np.uint64): torch.uint64,
     np.dtype(np.int8): torch.int8,
     np.dtype(np.int16): torch.int16,
     np.dtype(np.int32): torch.int32,
@@ -46,7 +49,6 @@ _NUMPY_OF = {t: n for n, t in TORCH_OF.items()}
 # What values may come in as: numpy dtypes, torch dtypes, Python number types (int counts as int64 here)
 _SOURCE_DTYPES = [
     *TORCH_OF,
-    *map(np.dtype, (np.uint16, np.uint32, np.uint64)),
     *_NUMPY_OF,
     torch.bfloat16,
     bool,

@@ -14,7 +14,7 @@ Copy contract: every path checks every field before writing any (a refused ``add
 writes outside autograd (a tensor is read through ``detach()``; on the CPU the writes are numpy's, which torch's
 probes do not see, ``tracemalloc`` does), keeps nothing of the caller's, and raises the storage's one version counter
 once. New memory only where ``checked`` makes it: a host copy of a tensor on another device and a float32 copy of a
-bfloat16 one (numpy has none), into a CPU buffer.
+bfloat16 one (numpy has none), into a CPU buffer; a 0-d host array for a number into a uint64 field elsewhere.
 """
 
 from __future__ import annotations
@@ -46,7 +46,10 @@ class Field:
     """One field: its shapes per transition and per ``add``, its tensor (a view of the block) and dtype, the dtypes it
     takes without a look at the values (none for rewards, whose values are always looked at: ``finite``), what ``add``
     writes through (a numpy view of the block on the CPU, else a tensor over the block's memory, which leaves the
-    version counter to ``add``), and its bytes per transition."""
+    version counter to ``add``), its bytes per transition, and whether ``sample`` may gather it on the CPU with torch's
+    ``index_select``: not a field of one number per transition in uint16, uint32 or uint64, for which torch's CPU
+    ``index_select`` has no kernel before 2.14 (``"index_select" not implemented for 'UInt16'``): numpy's ``take``
+    gathers it."""
 
     name: str
     shape: tuple[int, ...]
@@ -57,6 +60,7 @@ class Field:
     writer: np.ndarray | torch.Tensor
     row_bytes: int
     finite: bool = False
+    torch_gather: bool = True
 
 
 def storage(capacity: int, layout: dict[str, tuple[tuple[int, ...], np.dtype]], num_envs: int | None,
@@ -81,7 +85,10 @@ def storage(capacity: int, layout: dict[str, tuple[tuple[int, ...], np.dtype]], 
         finite = name == "reward"
         accepted = frozenset() if finite else unseen(name, tensor.dtype)
         row_bytes = sizes[name] // capacity
-        fields.append(Field(name, shape, add_shape, tensor, tensor.dtype, accepted, writer, row_bytes, finite))
+        torch_gather = bool(shape) or dtype.kind != "u" or dtype.itemsize == 1  # Field: torch's CPU index_select
+        fields.append(
+            Field(name, shape, add_shape, tensor, tensor.dtype, accepted, writer, row_bytes, finite, torch_gather)
+        )
         start += -(-sizes[name] // _ALIGN) * _ALIGN
     return base, fields
 
@@ -257,8 +264,9 @@ def _finals(buffer: Any, final_obs: Any, ended: np.ndarray) -> list[tuple[int, A
 
 
 def checked(buffer: Any, field: Field, value: Any) -> Any:
-    """``value`` ready to be written into ``field`` (a tensor detached, and on the CPU as numpy); raises a
-    ``ValueError`` naming the field if its shape or dtype does not fit, before anything is written."""
+    """``value`` ready to be written into ``field`` (a tensor detached, and on the CPU as numpy; elsewhere a tensor or
+    a Python number, a uint64 field's number as a 0-d tensor); raises a ``ValueError`` naming the field if its shape or
+    dtype does not fit, before anything is written."""
     if isinstance(value, _Tensor):
         value = value.detach()  # Copy decision: the buffer never holds, nor writes through, a graph
         dtype, shape = value.dtype, tuple(value.shape)
@@ -278,7 +286,9 @@ def checked(buffer: Any, field: Field, value: Any) -> Any:
             return (value.float() if value.dtype == torch.bfloat16 else value).numpy()  # numpy has no bfloat16
         return value
     if isinstance(value, (np.ndarray, np.generic)):  # torch writes tensors and Python numbers
-        return torch.from_numpy(value) if isinstance(value, np.ndarray) else value.item()
+        value = torch.from_numpy(value) if isinstance(value, np.ndarray) else value.item()
+    if type(value) is int and field.dtype is torch.uint64:  # torch < 2.14 writes no int beyond int64's range: a tensor
+        return torch.from_numpy(np.array(value, dtype=np.uint64))
     return value
 
 

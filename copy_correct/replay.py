@@ -224,7 +224,7 @@ class ReplayBuffer:
             last = (torch.from_numpy(window.last), window.last)
         for field in self._fields:
             at, at_rows = last if field.name in _OF_THE_LAST else first
-            if threads > 1 and field.row_bytes * batch_size >= _TORCH_GATHER_BYTES:
+            if threads > 1 and field.row_bytes * batch_size >= _TORCH_GATHER_BYTES and field.torch_gather:
                 _, out = _host_batch.empty((batch_size, *field.shape), field.writer.dtype, pinned)
                 batch[field.name] = torch.index_select(field.tensor, 0, at, out=out)
             else:
