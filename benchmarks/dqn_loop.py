@@ -12,7 +12,7 @@ of epsilon 0.01), one ``add``, and every 4 steps ``sample(32)``, the target ``r 
 copied every 1,000 steps. The env is not stepped: ``ALE/Pong-v5``, wrapped as the script wraps it, is played once by a
 random policy (``benchmarks.frame_replay.record``) and every loop feeds its steps in turn, the recorded action taken
 in place of the greedy one, so every buffer holds the same transitions. A live env would add the same time to every
-contender's step (about 2 ms here) and so pull every ratio towards 1: the recording shows the buffers' difference
+contender's step (1-2 ms here) and so pull every ratio towards 1: the recording shows the buffers' difference
 undiluted. Each contender has its own networks and optimizer, made from one seed; every buffer is full.
 
 Contenders run side by side in one process: each round runs a stretch of steps of every contender in turn (the order
