@@ -10,7 +10,7 @@ So batch ``k + 1`` misses the transitions added between calls ``k`` and ``k + 1`
 draws are ``buffer.sample(batch_size, generator, device=)`` calls, one at a time on one thread, in that order, and
 ``add`` waits for the draw in flight before it writes: the same seeds give the same batches, bit for bit, as those
 synchronous calls at those points. TorchRL's ``ReplayBuffer(prefetch=n)`` also hands over batches drawn earlier, but
-on up to ``n`` threads with the global generator, its lock ordering them against ``extend`` by timing alone.
+its draws run on up to ``n`` threads whenever they start, a lock ordering them against ``extend`` by timing alone.
 
 Copy contract:
 

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from copy_correct import FrameReplayBuffer, ReplayBuffer, SampleAhead
+from tests.conftest import CUDA
 
 BATCH, EVERY, STEPS, FIRST = 16, 4, 160, 20  # a sample every 4 adds from add 20 on, as dqn_atari.py's cadence
 Buffer = ReplayBuffer | FrameReplayBuffer
@@ -280,3 +281,17 @@ def test_the_device_is_passed_to_every_draw() -> None:
             sampled.add(*transition)
         sampled.sample()
     assert devices == [torch.device("cpu")] * 2
+
+
+@pytest.mark.gpu
+@CUDA
+def test_cuda_batches_are_the_synchronous_draws_and_the_loops_stream_sees_them_whole() -> None:
+    """With ``device="cuda"`` the thread's copies go on the default stream, the loop's: work the loop queues after
+    ``sample()`` reads the whole batch without a synchronisation of its own (here: a reduction compared on the host)."""
+    with SampleAhead(slowed(frames), BATCH, generator=torch.Generator().manual_seed(7), device="cuda") as sampled:
+        batches = loop(sampled)
+        sums = [int(b["obs"].sum(dtype=torch.int64)) for b in batches]  # queued on the loop's stream
+    assert all(b[k].device.type == "cuda" for b in batches for k in b)
+    expected = synchronous(frames)
+    assert same([{k: v.cpu() for k, v in b.items()} for b in batches], expected)
+    assert sums == [int(b["obs"].sum(dtype=torch.int64)) for b in expected]
