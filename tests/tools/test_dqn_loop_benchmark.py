@@ -50,7 +50,7 @@ def test_the_dqn_pages_figure_goes_into_its_block(tmp_path: Path) -> None:
         "# dqn\n\n<!-- figure:dqn-loop:start -->\n<!-- figure:dqn-loop:end -->\n"
     )
     ratios = {key: 1.0 + i / 10 for i, key in enumerate(list(CONTENDERS)[:3])}
-    figure(tmp_path, ratios, {key: (1.5, 2.0) for key in ratios}, "Made by `x`.")
+    figure(tmp_path, ratios, {key: (1.5, 0.8, 2.0) for key in ratios}, "Made by `x`.")
     body = figure_blocks((tmp_path / "recipes" / "dqn.md").read_text())["dqn-loop"]
     assert "](../figures/dqn-loop.png)" in body and "Made by `x`." in body
     assert (tmp_path / FIGURES / "dqn-loop.png").stat().st_size > 0
