@@ -11,6 +11,7 @@ Tensor parts:
     skipped_updates      how many ``skip_nonfinite`` target updates were skipped (a NaN or an Inf online)
     ReplayBuffer         preallocated transitions written in place, sampled as independent tensors
     FrameReplayBuffer    frame-stacked transitions, each frame stored once per env stream; stacks rebuilt at sample
+    SampleAhead          a buffer's next batch drawn on a background thread, one call ahead, the same batches every run
     GradientAverager     a parameter list's gradients averaged over processes, one collective per dtype
     frozen               a block in which a module's parameters do not require grad, flags restored after
     DevicePrefetcher     batches on the device, the next one's copy overlapping compute on a side stream
@@ -39,6 +40,7 @@ from copy_correct.posthoc_ema import synthesis_coefficients, synthesize
 from copy_correct.power_ema import PowerEMA
 from copy_correct.prefetch import DevicePrefetcher, map_tensors
 from copy_correct.replay import ReplayBuffer
+from copy_correct.sample_ahead import SampleAhead
 from copy_correct.target import hard_update, make_target, soft_update
 
 __all__ = [
@@ -51,6 +53,7 @@ __all__ = [
     "GradientAverager",
     "PowerEMA",
     "ReplayBuffer",
+    "SampleAhead",
     "UnsafeFile",
     "frozen",
     "hard_update",
