@@ -87,16 +87,23 @@ def linked(add: Callable[..., None]) -> Callable[..., None]:
     """``ReplayBuffer.add``'s path ``add``, keeping each env's rows linked, oldest to newest (``"next_step"`` with
     several envs: the envs whose reset steps are left out shift the others' rows, so an env's next row is not a
     fixed stride away). ``buffer._next_row[r]``: the row of the next transition of row ``r``'s env, or -1 (none yet);
-    ``buffer._last_row[e]``: env ``e``'s newest row, or -1. A refused ``add`` raises before the links change."""
+    ``buffer._last_row[e]``: env ``e``'s newest row, or -1; ``buffer._linked_all``: every env has one, and none can be
+    overwritten before its next (the common step then takes three writes). A refused ``add`` raises before the links
+    change."""
 
     def add_linked(buffer: Any, *fields: Any) -> None:
         pos, skipped = buffer.pos, buffer._ended.copy() if buffer._skip else None
         add(buffer, *fields)
-        envs = buffer._last_row_envs if skipped is None else np.flatnonzero(~skipped)
-        rows = pos + (envs if skipped is None else np.arange(len(envs)))
-        if len(rows) and rows[-1] >= buffer.capacity:
-            rows %= buffer.capacity
-        following, last = buffer._next_row, buffer._last_row
+        following, last, envs = buffer._next_row, buffer._last_row, buffer._last_row_envs
+        if skipped is None and buffer._linked_all and pos + len(envs) <= buffer.capacity:  # the common step
+            rows = envs + pos
+            following[pos : pos + len(envs)] = -1
+            following[last] = rows
+            last[:] = rows
+            return
+        if skipped is not None:
+            envs = np.flatnonzero(~skipped)
+        rows = (pos + np.arange(len(envs))) % buffer.capacity
         following[rows] = -1
         if buffer.capacity < 3 * buffer.num_envs:  # an env's newest row may be overwritten before its next is written
             last[np.isin(last, rows)] = -1
@@ -104,5 +111,6 @@ def linked(add: Callable[..., None]) -> Callable[..., None]:
         linking = previous >= 0
         following[previous[linking]] = rows[linking]
         last[envs] = rows
+        buffer._linked_all = buffer.capacity >= 3 * buffer.num_envs and bool((last >= 0).all())
 
     return add_linked

@@ -150,6 +150,7 @@ class ReplayBuffer:
             self._next_row = np.full(capacity, -1, dtype=np.int64)
             self._last_row = np.full(num_envs, -1, dtype=np.int64)
             self._last_row_envs = np.arange(num_envs)
+            self._linked_all = False
             self.nbytes += self._next_row.nbytes + self._last_row.nbytes
             self._add = _n_step.linked(self._add)
         self.pos = 0
@@ -308,6 +309,7 @@ class ReplayBuffer:
         if links is not None:
             self._next_row[:] = -1
             self._next_row[:size], self._last_row[:] = links
+            self._linked_all = self.capacity >= 3 * self.num_envs and bool((self._last_row >= 0).all())
         self._ended[:] = ended.cpu().numpy()
         self._skip = bool(self._ended.any())
         self.size, self.pos = size, pos
