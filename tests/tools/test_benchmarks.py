@@ -32,6 +32,7 @@ PEERS = {  # the rows each benchmark has for a peer library: (import name, row t
     "benchmarks.target": [("stable_baselines3", "stable-baselines3 "), ("torchrl", "torchrl ")],
     "benchmarks.replay": [("stable_baselines3", "stable-baselines3 "), ("torchrl", "torchrl ")],
     "benchmarks.frame_replay": [("stable_baselines3", "stable-baselines3 "), ("torchrl", "torchrl ")],
+    "benchmarks.n_step": [("stable_baselines3", "stable-baselines3 ")],
 }
 NEEDS_ALE = pytest.mark.skipif(importlib.util.find_spec("ale_py") is None, reason="the atari extra (ale-py)")
 
@@ -48,6 +49,7 @@ NEEDS_ALE = pytest.mark.skipif(importlib.util.find_spec("ale_py") is None, reaso
     ("benchmarks.loading", "loading-cpu", "| DeviceDataLoader (cpu) |", "time / bare loader"),
     ("benchmarks.sharded", "sharded-cpu", "| copy_correct.EMA (sharded) | 2 |", "each rank alone (/ N=1)"),
     ("benchmarks.replay", "replay-cpu", "| 10 adds + sample 128 (CleanRL's cadence) |", "copy_correct.ReplayBuffer µs"),
+    ("benchmarks.n_step", "n-step-cpu", "| sample 32, one env |", "copy_correct.ReplayBuffer(n_steps=3) µs"),
     pytest.param("benchmarks.frame_replay", "frame-replay-cpu", "| copy_correct.FrameReplayBuffer | ",
                  "Pong: size / ours", marks=NEEDS_ALE),
 ])  # fmt: skip
