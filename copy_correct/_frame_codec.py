@@ -40,8 +40,9 @@ def codec(name: str, frame_bytes: int) -> Codec:
         module = importlib.import_module(CODECS[name] if name == "zstd" else "lz4.block")
     except ImportError:
         raise ImportError(f"compress={name!r} needs the {CODECS[name]} package: {EXTRA}") from None
-    # Both libraries' documented bounds (ZSTD_compressBound, LZ4_compressBound) are under this one.
-    bound = frame_bytes + frame_bytes // 128 + 1024
+    # Over both libraries' bounds: ZSTD_COMPRESSBOUND (n + n/256 + (128 KiB - n)/2048 under 128 KiB, so at most 64
+    # more) and LZ4_COMPRESSBOUND (n + n/255 + 16).
+    bound = frame_bytes + frame_bytes // 128 + 80
     if name == "lz4":
         return Codec(
             name,

@@ -52,15 +52,16 @@ class CompressedFrames:
 
     def put(self, env: int, position: int, frame: np.ndarray) -> None:
         """Compress ``frame``, the ``position``-th of stream ``env``, into the stream's block."""
+        if position >= self.length:  # it overwrites the frame `length` before: its block may hold nothing else now
+            old = int(self.address[env * self.length + position % self.length]) // self.block
+            if self._last_position[old] == position - self.length:
+                self._free.append(old)
         self._place(env, position, self.codec.compress(np.ascontiguousarray(frame)))
         self.last[env] = frame
 
     def _place(self, env: int, position: int, data: bytes) -> None:
+        """``data`` into the stream's block (another, from the pool, if it does not fit), for ``position``'s slot."""
         row = env * self.length + position % self.length
-        if position >= self.length:  # it overwrites the frame `length` before: its block may hold nothing else now
-            old = int(self.address[row]) // self.block
-            if self._last_position[old] == position - self.length:
-                self._free.append(old)
         n, block, fill = len(data), self._open[env], self._fill[env]
         if fill + n > self.block:
             block, fill = self._free.pop() if self._free else self._new_block(), 0
@@ -104,12 +105,16 @@ class CompressedFrames:
         ]
 
     def state(self, written: np.ndarray) -> dict[str, np.ndarray]:
-        """The live compressed frames of every stream, oldest first, as one array of bytes, and each slot's size."""
-        parts = []
-        for _, _, row in self._live(written):
-            address, n = int(self.address[row]), int(self.size[row])
-            parts.append(self._blocks[address // self.block][address % self.block :][:n])
-        return {"frame_bytes": np.frombuffer(b"".join(parts), dtype=np.uint8), "frame_size": self.size.copy()}
+        """The live compressed frames of every stream, oldest first, as one new array of bytes, and each slot's size
+        (int32: a dtype every torch saves)."""
+        rows = [row for _, _, row in self._live(written)]
+        data = np.empty(int(self.size[rows].sum()), dtype=np.uint8)
+        into, cursor = memoryview(data), 0
+        for address, n in zip(self.address[rows].tolist(), self.size[rows].tolist(), strict=True):
+            start = address % self.block
+            into[cursor : cursor + n] = self._blocks[address // self.block][start : start + n]
+            cursor += n
+        return {"frame_bytes": data, "frame_size": self.size.astype(np.int32)}
 
     def check(self, state: Mapping[str, np.ndarray], written: np.ndarray) -> None:
         """``state``'s bytes must be as many as its sizes of the frames in its rings say (one line, nothing loaded)."""

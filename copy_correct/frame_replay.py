@@ -328,7 +328,7 @@ class FrameReplayBuffer:
         arrays = self._arrays()
         shapes = {name: (array.shape, array.dtype) for name, array in arrays.items()}
         if self._store is not None:
-            shapes["frame_size"] = (self._store.size.shape, self._store.size.dtype)
+            shapes["frame_size"] = (self._store.size.shape, np.dtype(np.int32))
             shapes["frame_bytes"] = ((len(state["frame_bytes"]),), np.dtype(np.uint8))
         for name, (shape, dtype) in shapes.items():
             saved = state[name]
