@@ -231,3 +231,19 @@ def test_a_codec_whose_package_is_missing_is_refused_naming_the_extra(
         ImportError, match=rf'^compress={compress!r} needs the .* package: pip install "copy-correct\[compress\]"$'
     ):
         FrameReplayBuffer(24, space(), compress=compress)
+
+
+@pytest.mark.parametrize("compress", CODECS)
+def test_float_frames_come_back_bit_for_bit(compress: str) -> None:
+    """Frames are compressed as their bytes, whatever their dtype."""
+    shape, rng = (STACK, 5, 6), np.random.default_rng(0)
+    buffers = [FrameReplayBuffer(64, gym.spaces.Box(-1, 1, shape, np.float32), compress=c) for c in (None, compress)]
+    obs = np.repeat(rng.random((1, *shape[1:]), dtype=np.float32), STACK, 0)
+    for t in range(200):
+        nxt = np.concatenate([obs[1:], rng.random((1, *shape[1:]), dtype=np.float32)])
+        done = t % 17 == 16
+        for buffer in buffers:
+            buffer.add(obs, 0, 1.0, nxt, done)
+        obs = np.repeat(nxt[-1:], STACK, 0) if done else nxt
+    plain, packed = (b.sample(100, torch.Generator().manual_seed(0)) for b in buffers)
+    assert packed["obs"].dtype == torch.float32 and all(torch.equal(plain[k], packed[k]) for k in plain)
