@@ -18,10 +18,10 @@ TorchRL's with the ``TensorDict`` its environments hand over, built before the t
 Bytes per transition are each buffer's storage over the transitions it holds when full (ours: a frame a transition,
 a frame more per episode, and 23 bytes of action, reward, flags and episode start; compressed: every block of
 compressed frames taken, in use or not, and 6 bytes a slot saying where a frame's bytes are). Resident memory is the
-growth of this process's resident set (``VmRSS``) from building a buffer to having filled it: what the operating
-system had to find. Times are medians over interleaved rounds, each peer's in a pair with ours (our column: the
-median over the pairs); a ratio is a peer's time over ours in its pair, above 1: ours is faster (ours compressed are
-rows of their own, each in a pair with ours uncompressed).
+growth of this process's resident set (``VmRSS``) from building a buffer to having filled it, the heap's free pages
+handed back first (``malloc_trim``): what the operating system had to find. Times are medians over interleaved
+rounds, each peer's in a pair with ours (our column: the median over the pairs); a ratio is a peer's time over ours in
+its pair, above 1: ours is faster (ours compressed are rows of their own, each in a pair with ours uncompressed).
 
 The vector rows (``vector_table``): one game's frames cut into 1, 4 and 8 env streams, each from an episode's start and
 all cut to one length with the last step truncated (so the steps fed in a cycle continue every stream), added as a
@@ -32,6 +32,8 @@ full, timed interleaved in one run.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import ctypes
 import gc
 import itertools
 import logging
@@ -193,6 +195,15 @@ def torchrl(rec: Recording, capacity: int) -> Contender | Missing:
     )
 
 
+def settle() -> None:
+    """Collect garbage and hand the heap's free pages back to the operating system (glibc's ``malloc_trim``), so that
+    a buffer's resident growth is not hidden by pages an earlier one freed (compressed frames take 64 KiB blocks from
+    the heap, where the frames a codec table compressed had been)."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: the growth may then be under the storage
+        ctypes.CDLL(None).malloc_trim(0)
+
+
 def resident() -> int:
     """This process's resident memory in bytes (``VmRSS``)."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -210,7 +221,7 @@ def machine_memory() -> int:
 
 def filled(make: Callable[[], Contender | Missing], rec: Recording, transitions: int, name: str) -> Contender | Missing:
     """A contender built and fed ``transitions`` steps; its resident-memory growth recorded."""
-    gc.collect()
+    settle()
     before = resident()
     made = make()
     if isinstance(made, Missing):
@@ -363,7 +374,7 @@ def filled_million(
     recording in turn until its rings have wrapped (5% more): the buffer, the seconds it took, the growth of the
     resident set and the transitions fed."""
     steps = [(rec, i) for rec in recordings for i in range(len(rec))]
-    gc.collect()
+    settle()
     before = resident()
     start = time.perf_counter()
     buffer = FrameReplayBuffer(transitions + transitions // 50, space(recordings[0]), (), compress=compress)

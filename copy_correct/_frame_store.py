@@ -23,6 +23,8 @@ from copy_correct._frame_codec import Codec
 
 __all__ = ["BLOCK", "CompressedFrames"]
 
+NONE = np.empty(0, dtype=np.int64)
+
 BLOCK = 1 << 16
 ADDRESSABLE = 1 << 32  # bytes of blocks a uint32 address reaches
 
@@ -44,7 +46,12 @@ class CompressedFrames:
         self._blocks: list[memoryview] = []
         self._last_position: list[int] = []  # of each block, the position of the last frame written into it
         self._free: list[int] = []
+        self._forget()
         self._open, self._fill = [0] * envs, [self.block] * envs  # each stream's block, and its bytes used
+
+    def _forget(self) -> None:
+        """Drop the frames the last ``gather`` decompressed (a ``put`` may have overwritten them)."""
+        self._decoded_rows, self._decoded = NONE, None
 
     @property
     def nbytes(self) -> int:
@@ -58,6 +65,7 @@ class CompressedFrames:
                 self._free.append(old)
         self._place(env, position, self.codec.compress(np.ascontiguousarray(frame)))
         self.last[env] = frame
+        self._decoded_rows = NONE
 
     def _place(self, env: int, position: int, data: bytes) -> None:
         """``data`` into the stream's block (another, from the pool, if it does not fit), for ``position``'s slot."""
@@ -81,18 +89,30 @@ class CompressedFrames:
 
     def gather(self, rows: np.ndarray, out: torch.Tensor) -> None:
         """Into ``out`` (``len(rows)`` frames): for each row ``env * (length + 1) + slot`` that slot's frame, zeros for
-        slot ``length`` (zero padding). Each distinct frame is decompressed once."""
+        slot ``length`` (zero padding). Each distinct frame is decompressed once, and not again by the next
+        ``gather`` before a ``put`` (``sample``'s second, for ``next_obs``, shares most of the first's frames)."""
         distinct, inverse = np.unique(rows, return_inverse=True)
+        frames = np.empty((len(distinct), self.frame_bytes), dtype=np.uint8)
+        known = self._decoded_rows
+        if len(known):
+            at = np.searchsorted(known, distinct).clip(max=len(known) - 1)
+            hit = known[at] == distinct
+            frames[hit] = self._decoded[at[hit]]
+        else:
+            hit = np.zeros(len(distinct), dtype=np.bool_)
         envs, slots = np.divmod(distinct, self.length + 1)
-        kept = slots < self.length
-        at = envs[kept] * self.length + slots[kept]
-        frames = np.zeros((len(distinct), self.frame_bytes), dtype=np.uint8)
-        decompress, blocks, block = self.codec.decompress, self._blocks, self.block
-        for i, address, n in zip(
-            np.flatnonzero(kept).tolist(), self.address[at].tolist(), self.size[at].tolist(), strict=True
-        ):
-            start = address % block
-            frames[i] = np.frombuffer(decompress(blocks[address // block][start : start + n]), dtype=np.uint8)
+        frames[slots == self.length] = 0
+        todo = np.flatnonzero(~hit & (slots < self.length))
+        if len(todo):
+            at = envs[todo] * self.length + slots[todo]
+            which, start = np.divmod(self.address[at].astype(np.int64), self.block)
+            decompress, blocks = self.codec.decompress, self._blocks
+            pieces = [
+                decompress(blocks[b][first:end])
+                for b, first, end in zip(which.tolist(), start.tolist(), (start + self.size[at]).tolist(), strict=True)
+            ]
+            frames[todo] = np.frombuffer(b"".join(pieces), dtype=np.uint8).reshape(len(todo), self.frame_bytes)
+        self._decoded_rows, self._decoded = distinct, frames
         decoded = torch.from_numpy(frames.view(self.dtype).reshape(len(distinct), *self.shape))
         torch.index_select(decoded, 0, torch.from_numpy(inverse.reshape(-1)), out=out)
 

@@ -291,7 +291,7 @@ class FrameReplayBuffer:
         padding. One gather of the flattened rings into new numpy memory, by torch's ``index_select``, which splits the
         copy over its threads (measured by ``benchmarks/frame_replay.py``: 10-15% under numpy's ``take``; indexing the
         rings with two index arrays took ten times as long). Compressed: each distinct frame decompressed once, then the
-same gather (``_frame_store``)."""
+        same gather (``_frame_store``)."""
         before = positions < start
         if self.padding == "reset":
             slots = np.where(before, start, positions) % self._length
