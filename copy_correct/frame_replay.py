@@ -10,17 +10,20 @@ A stacked observation shares all its frames but one with the next. This buffer k
 stream and, per transition, the newest frame of ``next_obs``, its action, reward and flags and where its episode began
 (an episode's first frame costs one frame more); ``sample`` rebuilds both stacks of each drawn transition with one
 gather each, padded before an episode's start as ``FrameStackObservation`` pads (``padding="reset"``: copies of the
-first frame; ``"zero"``). Vector envs and autoreset modes as ``ReplayBuffer``'s; what a row must be to be stored:
-``_replay_frames``. Bytes and times against whole-stack buffers: docs/recipes/dqn.md, "Atari".
+first frame; ``"zero"``). ``compress="zstd"`` or ``"lz4"``: each frame compressed once, at ``add`` (``_frame_store``),
+the batches bit for bit the same. Vector envs and autoreset modes as ``ReplayBuffer``'s; what a row must be to be
+stored: ``_replay_frames``. Bytes and times against whole-stack buffers: docs/recipes/dqn.md, "Atari".
 
 Copy contract (``ReplayBuffer``'s, on the host):
 
-* New storage, once, at construction: the rings, numpy memory in the observation's dtype, ``nbytes`` in all. ``add``
-  copies into them; ``sample`` gathers each field into new memory (``obs`` and ``next_obs`` share frames, not
-  memory), pinned for a CUDA ``device`` and copied without a wait (``_host_batch``).
+* New storage, once, at construction: the rings, numpy memory in the observation's dtype, ``nbytes`` in all
+  (compressed frames: blocks taken as the rings fill, counted too). ``add`` copies into them; ``sample`` gathers each
+  field into new memory (``obs`` and ``next_obs`` share frames, not memory), pinned for a CUDA ``device`` and copied
+  without a wait (``_host_batch``).
 * Shared: nothing with the caller, nor between a batch and the rings, so training code may change a batch in place.
-  ``state_dict()`` shares the rings (not copied) and every stream's position: a resumed run samples the transitions
-  the uninterrupted one would; it loads with ``torch.load(..., weights_only=True)``.
+  ``state_dict()`` shares the rings (not copied; compressed frames: their bytes copied) and every stream's position:
+  a resumed run samples the transitions the uninterrupted one would; it loads with ``torch.load(...,
+  weights_only=True)``.
 * What autograd sees: nothing. Tensors are read through ``detach()``, the rings are numpy memory, and a batch is new
   tensors. Everything is checked before anything is written, each refusal one line naming the field and env.
 """
@@ -37,6 +40,8 @@ from copy_correct import _host_batch, _n_step
 from copy_correct._autoreset import AUTORESET_MODES, parse_mode
 from copy_correct._checks import device as checked_device
 from copy_correct._checks import integral
+from copy_correct._frame_codec import codec
+from copy_correct._frame_store import CompressedFrames
 from copy_correct._replay_fields import (
     TORCH_OF,
     Space,
@@ -74,10 +79,13 @@ class FrameReplayBuffer:
         action_dtype: storage dtype of actions; default: the space's (``Discrete``: int64), else int64.
         n_steps, gamma: n-step returns and ``discounts`` in ``sample``'s batches, as ``ReplayBuffer``'s: an env
             stream's next transition is the one that starts at the frame after.
+        compress: ``None`` (frames as they are) or a codec, ``"zstd"`` (the smallest) or ``"lz4"`` (the fastest):
+            each frame compressed once at ``add``, decompressed at ``sample``; the batches are the same, bit for bit.
+            Needs the ``compress`` extra (``pip install "copy-correct[compress]"``).
 
     Attributes:
         stack, frame_shape: the frames per observation and the shape of one frame.
-        nbytes: the bytes of storage, allocated at construction.
+        nbytes: the bytes of storage: allocated at construction (compressed: and the blocks taken since).
     """
 
     def __init__(
@@ -92,6 +100,7 @@ class FrameReplayBuffer:
         action_dtype: Any = None,
         n_steps: int = 1,
         gamma: float | None = None,
+        compress: str | None = None,
     ) -> None:
         check_num_envs(num_envs)
         self.n_steps, self.gamma = _n_step.settings(n_steps, gamma)
@@ -113,8 +122,15 @@ class FrameReplayBuffer:
                 f"for {envs} env(s)"
             )
         self.capacity = self._length * envs
-        # Slot `length` of each stream is a frame of zeros: what zero padding gathers.
-        self._frames = np.zeros((envs, self._length + 1, *self.frame_shape), dtype=frame_dtype)
+        self.compress, self._frame_dtype = compress, np.dtype(frame_dtype)
+        if compress is None:  # slot `length` of each stream is a frame of zeros: what zero padding gathers
+            self._frames = np.zeros((envs, self._length + 1, *self.frame_shape), dtype=frame_dtype)
+            self._store = None
+        else:
+            frame_bytes = int(np.prod(self.frame_shape)) * self._frame_dtype.itemsize
+            self._store = CompressedFrames(
+                codec(compress, frame_bytes), envs, self._length, self.frame_shape, self._frame_dtype
+            )
         self._start = np.zeros((envs, self._length), dtype=np.int64)  # where each frame's episode began
         self._valid = np.zeros((envs, self._length), dtype=np.bool_)  # a transition starts at this frame
         self._action = np.zeros((envs, self._length, *self.action_shape), dtype=action_np)
@@ -129,8 +145,9 @@ class FrameReplayBuffer:
         self._envs = np.arange(envs)
         self._offsets = np.arange(-(self.stack - 1), 1, dtype=np.int64)
         # Flat views: a row is env * length + slot (env * (length + 1) + slot for frames); one index per write.
-        self._frames_flat = self._frames.reshape(-1, *self.frame_shape)
-        self._frames_torch = torch.from_numpy(self._frames_flat)
+        if compress is None:
+            self._frames_flat = self._frames.reshape(-1, *self.frame_shape)
+            self._frames_torch = torch.from_numpy(self._frames_flat)
         self._start_flat, self._valid_flat = self._start.reshape(-1), self._valid.reshape(-1)
         self._action_flat = self._action.reshape(-1, *self.action_shape)
         self._reward_flat = self._reward.reshape(-1)
@@ -156,15 +173,22 @@ class FrameReplayBuffer:
         self._few = envs <= 2  # the common step env by env, on plain indices (faster for one or two)
         integer = not self.action_shape and action_np.kind in "iu"
         self._action_range = (int(np.iinfo(action_np).min), int(np.iinfo(action_np).max)) if integer else None
-        self.nbytes = sum(a.nbytes for a in self._arrays().values())
+        self._fixed_nbytes = sum(a.nbytes for a in self._arrays().values())
         self._add = one_env if num_envs is None else vector_env  # every add's path (_replay_frames), chosen once
 
     def _arrays(self) -> dict[str, np.ndarray]:
-        return {
-            "frames": self._frames, "start": self._start, "valid": self._valid, "action": self._action,
+        """The arrays of storage of fixed shape (compressed frames: ``_store``'s, apart)."""
+        frames = {"frames": self._frames} if self._store is None else {}
+        return frames | {
+            "start": self._start, "valid": self._valid, "action": self._action,
             "reward": self._reward, "terminated": self._terminated, "truncated": self._truncated,
             "written": self._written, "current": self._current, "ended": self._ended,
         }  # fmt: skip
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of storage (compressed: with every block taken, in use or free)."""
+        return self._fixed_nbytes + (0 if self._store is None else self._store.nbytes)
 
     @property
     def stored(self) -> int:
@@ -289,38 +313,59 @@ class FrameReplayBuffer:
         """The frames at ``positions`` (batch, stack) of each row's env: those before the row's episode start are its
         padding. One gather of the flattened rings into new numpy memory, by torch's ``index_select``, which splits the
         copy over its threads (measured by ``benchmarks/frame_replay.py``: 10-15% under numpy's ``take``; indexing the
-        rings with two index arrays took ten times as long)."""
+        rings with two index arrays took ten times as long). Compressed: each distinct frame decompressed once, then the
+        same gather (``_frame_store``)."""
         before = positions < start
         if self.padding == "reset":
             slots = np.where(before, start, positions) % self._length
         else:
             slots = np.where(before, self._length, positions % self._length)
         index = torch.from_numpy(envs[:, None] * (self._length + 1) + slots).reshape(-1)
-        _, out = _host_batch.empty((index.numel(), *self.frame_shape), self._frames.dtype, pinned)
-        torch.index_select(self._frames_torch, 0, index, out=out)
+        _, out = _host_batch.empty((index.numel(), *self.frame_shape), self._frame_dtype, pinned)
+        if self._store is None:
+            torch.index_select(self._frames_torch, 0, index, out=out)
+        else:
+            self._store.gather(index.numpy(), out)
         return out.view(*positions.shape, *self.frame_shape)
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """The rings and the streams' positions, as tensors sharing the buffer's memory (not copied)."""
-        return {name: torch.from_numpy(array) for name, array in self._arrays().items()} | {
+        """The rings and the streams' positions, as tensors sharing the buffer's memory (not copied); compressed
+        frames as their bytes (copied, not decompressed), oldest first, and each slot's size."""
+        compressed = {} if self._store is None else self._store.state(self._written)
+        return {name: torch.from_numpy(array) for name, array in (self._arrays() | compressed).items()} | {
             "autoreset_mode": self.autoreset_mode,
             "padding": self.padding,
+            "compress": self.compress,
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Copy a saved buffer into this one's storage; its shapes, dtypes, mode and padding must be this one's."""
+        """Copy a saved buffer into this one's storage; its shapes, dtypes, mode, padding and codec must be this
+        one's (a state saved before buffers compressed is one of ``compress=None``)."""
+        if state.get("compress") != self.compress:
+            raise ValueError(
+                f"saved buffer has compress={state.get('compress')!r}, this one {self.compress!r}: a state loads "
+                "into a buffer that stores frames as it did"
+            )
         check_settings(state, self, ("autoreset_mode", "padding"))
         arrays = self._arrays()
-        for name, into in arrays.items():
+        shapes = {name: (array.shape, array.dtype) for name, array in arrays.items()}
+        if self._store is not None:
+            shapes["frame_size"] = (self._store.size.shape, np.dtype(np.int32))
+            shapes["frame_bytes"] = ((len(state["frame_bytes"]),), np.dtype(np.uint8))
+        for name, (shape, dtype) in shapes.items():
             saved = state[name]
-            if tuple(saved.shape) != into.shape or saved.dtype != TORCH_OF[into.dtype]:
+            if tuple(saved.shape) != shape or saved.dtype != TORCH_OF[dtype]:
                 raise ValueError(
-                    f"saved {name} is {tuple(saved.shape)} {saved.dtype}, this buffer's is {into.shape} {into.dtype}"
+                    f"saved {name} is {tuple(saved.shape)} {saved.dtype}, this buffer's is {shape} {dtype}"
                 )
+        if self._store is not None:
+            self._store.check({k: state[k].numpy() for k in ("frame_bytes", "frame_size")}, state["written"].numpy())
         for name, into in arrays.items():
             into[...] = state[name].numpy()
+        if self._store is not None:
+            self._store.load({k: state[k].numpy() for k in ("frame_bytes", "frame_size")}, self._written)
         self._stored = int(self._valid.sum())
         self._at_boundary = bool(self._ended.any()) or bool((self._current < 0).any())
 

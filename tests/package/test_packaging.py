@@ -168,7 +168,8 @@ def test_each_layer_requires_only_what_it_imports(wheel: Path) -> None:
     assert needs["lightning"] == {"lightning", "torchmetrics"}  # the adapters (torchmetrics: for the LightningModules)
     recipes = {"copy-correct[lightning]", "hydra-core", "omegaconf", "scikit-learn", "gymnasium", "matplotlib"}
     assert needs["recipes"] == recipes | {"pillow", "tqdm"}
-    assert "copy-correct[atari,docs,recipes,test]" in needs["dev"]  # the README's install: every layer, the tools
+    assert needs["compress"] == {"zstandard", "lz4"}  # FrameReplayBuffer(compress=...)'s codecs, not the core's
+    assert "copy-correct[atari,compress,docs,recipes,test]" in needs["dev"]  # the README's install: every layer, tools
 
 
 def test_the_lightning_floor_and_ceiling_are_the_tested_ones(wheel: Path) -> None:

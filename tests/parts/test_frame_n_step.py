@@ -29,13 +29,14 @@ class PastTheNewest(FrameReplayBuffer):
             self._valid_flat[:] = valid
 
 
-def play(mode: str, n_steps: int, num_envs: int = 3, capacity: int = 72, kind: type = FrameReplayBuffer) -> list[int]:
+def play(mode: str, n_steps: int, num_envs: int = 3, capacity: int = 72, kind: type = FrameReplayBuffer,
+         compress: str | None = None) -> list[int]:  # fmt: skip
     """400 vector steps into a buffer of ``n_steps`` and its twin of 1; every 20 steps 256 windows are sampled and
     held against the oracle of the streams as they are then. Returns the numbers of the wrong windows."""
     envs = vector_envs(num_envs, mode)
     built = [
         kind_(capacity, envs.single_observation_space, envs.single_action_space, num_envs=num_envs,
-              autoreset_mode=envs.metadata["autoreset_mode"], n_steps=n, gamma=GAMMA)
+              autoreset_mode=envs.metadata["autoreset_mode"], n_steps=n, gamma=GAMMA, compress=compress)
         for kind_, n in ((kind, n_steps), (FrameReplayBuffer, 1))
     ]  # fmt: skip
     rng = np.random.default_rng(0)
@@ -87,6 +88,12 @@ def play(mode: str, n_steps: int, num_envs: int = 3, capacity: int = 72, kind: t
 @pytest.mark.parametrize("mode", list(MODES))
 def test_every_sampled_window_is_the_oracles(mode: str, n_steps: int) -> None:
     assert play(mode, n_steps) == []
+
+
+@pytest.mark.parametrize("mode", ["next_step", "same_step"])
+def test_compressed_frames_give_the_same_windows(mode: str) -> None:
+    pytest.importorskip("zstandard", reason='the compress extra: pip install "copy-correct[compress]"')
+    assert play(mode, 3, compress="zstd") == []
 
 
 def test_one_env_and_a_ring_of_few_frames() -> None:
