@@ -16,6 +16,8 @@ What it shows:
     Stacks of frames (Atari: 4 frames of 84x84) go into a ``FrameReplayBuffer``, which keeps each frame once and
     rebuilds the stacks when it samples: an eighth of the memory (``model.replay``).
   * Truncation (a time limit: CartPole's 500 steps) is not termination: those transitions still bootstrap.
+  * ``model.compress=zstd`` (Atari): each frame compressed once as it is stored (Pong: 208 bytes a transition, not
+    7,193), ``FrameReplayBuffer``'s ``compress`` (the compress extra); the batches are the same, bit for bit.
   * ``model.n_steps`` (1 by default): n-step returns, read by the buffer from its one-step rows at sample time; the
     target bootstraps by the batch's ``discounts`` (``gamma**m`` for the ``m`` rewards summed), not by ``gamma``.
 
@@ -136,6 +138,7 @@ class DQN(pl.LightningModule):
         max_grad_norm: float | None = 10.0,
         network: str = "auto",
         replay: str = "auto",
+        compress: str | None = None,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -172,12 +175,18 @@ class DQN(pl.LightningModule):
         # Copy decision: one deep copy, once. From here on the target is only written in place.
         self.target = make_target(self.q)
         kind = FrameReplayBuffer if replay == "frames" or (replay == "auto" and frames) else ReplayBuffer
+        if compress is not None and kind is not FrameReplayBuffer:
+            raise ValueError(
+                f"model.compress={compress} compresses frames: it needs a FrameReplayBuffer (stacks of frames, "
+                f"model.replay=frames), and {env_id}'s observations go into a ReplayBuffer"
+            )
+        codec = {} if compress is None else {"compress": compress}
         # Copy decision: each frame once (FrameReplayBuffer); the stacks are rebuilt by the sample, not stored 8 times
         # over. A buffer this machine cannot hold is refused naming model.buffer_size and the bytes.
         what = f"model.buffer_size={buffer_size} (a {kind.__name__} of {env_id})"
         self.buffer: ReplayBuffer | FrameReplayBuffer = allocated(
             # n-step windows are read from the one-step rows at sample time: nothing more is stored
-            lambda: kind(buffer_size, observations, actions, n_steps=n_steps, gamma=gamma),
+            lambda: kind(buffer_size, observations, actions, n_steps=n_steps, gamma=gamma, **codec),
             what,
             "model.buffer_size",
         )

@@ -298,6 +298,24 @@ def test_the_atari_configuration_plays_breakout_into_a_frame_replay_with_the_nat
 
 
 @NEEDS_ALE
+def test_model_compress_stores_atari_frames_compressed_and_refuses_a_whole_observation_buffer(tmp_path: Path) -> None:
+    pytest.importorskip("zstandard", reason='the compress extra: pip install "copy-correct[compress]"')
+    overrides = ("+dqn=atari", "model.buffer_size=20000", "model.n_steps=3")
+    plain, packed = (
+        build(compose_config("+recipe=dqn", *overrides, *more, output_dir=tmp_path / str(i)))[1]
+        for i, more in enumerate(((), ("model.compress=zstd",)))
+    )
+    for _ in range(300):
+        plain.collect_one_step()
+        packed.collect_one_step()
+    batches = [m.buffer.sample(32, generator=torch.Generator().manual_seed(0)) for m in (plain, packed)]
+    assert all(torch.equal(batches[0][name], batches[1][name]) for name in batches[0])
+    assert packed.buffer.nbytes < plain.buffer.nbytes / 10
+    with pytest.raises(ValueError, match=r"model\.compress=zstd compresses frames: it needs a FrameReplayBuffer"):
+        build(compose_config("+recipe=dqn", "model.compress=zstd", output_dir=tmp_path / "cartpole"))
+
+
+@NEEDS_ALE
 @pytest.mark.slow
 def test_a_short_atari_run_learns_evaluates_and_checkpoints(tmp_path: Path) -> None:
     result = run_train("+recipe=dqn", *QUIET, *ATARI, f"hydra.run.dir={tmp_path}")
