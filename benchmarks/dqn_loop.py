@@ -222,10 +222,8 @@ def ratio(reference: list[float], own: list[float]) -> float:
     return statistics.median(r / o for r, o in zip(reference, own, strict=True))
 
 
-def loop_table(
-    made: dict[str, Loop], times: dict[str, list], stretch: int, not_run: dict[str, str]
-) -> tuple[str, dict[str, float]]:
-    """The loop's table, and each contender's ratio to stable-baselines3 (none without it)."""
+def loop_table(made: dict[str, Loop], times: dict[str, list], stretch: int, not_run: dict[str, str]) -> str:
+    """The loop's table, each contender's steps a second against stable-baselines3's (``-`` without it)."""
     ratios = {key: ratio(times[SB3], times[key]) for key in made} if SB3 in made else {}
     lines = [
         f"**The loop**: {len(next(iter(times.values())))} rounds timed, each of {stretch} steps a contender",
@@ -242,7 +240,7 @@ def loop_table(
         lines.append(f"| {CONTENDERS[key][0]} | {1 / step_s:.1f} | {versus} | {add_us:.1f} | {sample_us:.1f} | "
                      f"{100 * share:.2f}% |")  # fmt: skip
     lines += [f"| {name} | not run: {why} | - | - | - | - |" for name, why in not_run.items()]
-    return "\n".join(lines), ratios
+    return "\n".join(lines)
 
 
 def adds_after_a_forward(made: dict[str, Loop], rounds: int) -> dict[str, float]:
@@ -261,11 +259,9 @@ def adds_after_a_forward(made: dict[str, Loop], rounds: int) -> dict[str, float]
     return {key: statistics.median(values) for key, values in times.items()}
 
 
-def calls_table(
-    made: dict[str, Loop], budget: float, rounds: int, device: torch.device
-) -> tuple[str, dict[str, tuple]]:
-    """``add`` and ``sample(32)`` timed alone, every contender interleaved in one round, and ``add`` right after a
-    forward; each contender's ratios to stable-baselines3 in the table's order (none without it)."""
+def calls_table(made: dict[str, Loop], budget: float, rounds: int, device: torch.device) -> str:
+    """The table of ``add`` and ``sample(32)`` timed alone, every contender interleaved in one round, and ``add``
+    right after a forward, each against stable-baselines3's (``-`` without it)."""
 
     def adder(loop: Loop) -> Callable[[], None]:
         def add() -> None:
@@ -291,40 +287,7 @@ def calls_table(
         versus = [f"{r:.2f}x" for r in ratios[key]] if ratios else ["-"] * len(columns)
         cells = [f"{c[key] * 1e3:.1f} | {v}" for c, v in zip(columns, versus, strict=True)]
         lines.append(f"| {CONTENDERS[key][0]} | " + " | ".join(cells) + " |")
-    return "\n".join(lines), ratios
-
-
-def figure(docs: Path, loop: dict[str, float], calls: dict[str, tuple], made_by: str) -> None:
-    """The ratios to stable-baselines3 as bars on the DQN page (``docs/recipes/dqn.md``, block ``dqn-loop``)."""
-    import matplotlib.pyplot as plt
-
-    from tools.manual.figure_pages import save_figure
-
-    keys = list(loop)
-    columns = {"the loop's steps/s": [loop[k] for k in keys]}
-    columns |= {
-        name: [calls[k][i] for k in keys] for i, name in enumerate(("add", "add after a forward", "sample(32)"))
-    }
-    fig, ax = plt.subplots(figsize=(8.5, 0.9 + 0.9 * len(keys)))
-    for i, (column, values) in enumerate(columns.items()):
-        ys = [row + (i - 1.5) * 0.21 for row in range(len(keys))]
-        ax.barh(ys, values, height=0.19, label=column, color=("#4c72b0", "#dd8452", "#c9a227", "#55a868")[i])
-        for y, value in zip(ys, values, strict=True):
-            ax.text(value * 1.01, y, f"{value:.2f}x", va="center", fontsize=7)
-    ax.axvline(1.0, color="black", lw=0.8)
-    ax.axvline(0.95, color="#c44e52", lw=0.8, ls="--", label="0.95x (issue 43's floor for the loop)")
-    ax.set_yticks(range(len(keys)), [CONTENDERS[k][0] for k in keys])
-    ax.invert_yaxis()
-    ax.set_xlabel("stable-baselines3's time / ours (above 1: faster than stable-baselines3)")
-    ax.legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(0, -0.25), ncol=2, frameon=False)
-    ax.grid(axis="y", visible=False)
-    fig.tight_layout()
-    alt = "The DQN loop's speed, add and sample against stable-baselines3"
-    caption = (
-        "CleanRL's dqn_atari.py loop on recorded Pong frames with each buffer: its steps a second, and its add and "
-        "sample(32) timed alone, each as stable-baselines3's time over its own. "
-    )
-    save_figure(fig, docs, "recipes/dqn.md", "dqn-loop", alt, caption + made_by)
+    return "\n".join(lines)
 
 
 def main(argv: list[str]) -> int:
@@ -339,8 +302,8 @@ def main(argv: list[str]) -> int:
     made, not_run = loops(rec, capacity, device)
     try:
         times = run_rounds(made, stretch, budget, least, device)
-        loop_text, loop_ratios = loop_table(made, times, stretch, not_run)
-        calls_text, call_ratios = calls_table(made, min(budget, 5.0), 20 if args.quick else 300, device)
+        loop_text = loop_table(made, times, stretch, not_run)
+        calls_text = calls_table(made, min(budget, 5.0), 20 if args.quick else 300, device)
     finally:
         for loop in made.values():
             loop.feed.close()
@@ -354,10 +317,11 @@ def main(argv: list[str]) -> int:
     write_section(args.output, f"dqn-loop-{device.type}", f"The DQN loop, CleanRL's cadence ({device.type})", header,
                   f"{loop_text}\n\n{calls_text}")  # fmt: skip
     docs = args.output.parent
-    if (docs / "index.md").is_file() and loop_ratios:  # the manual's page: the DQN page's figure too
+    if (docs / "index.md").is_file():  # the manual's page: the DQN page's chart of the tables too
+        from tools.manual.figure_bench import dqn_loop_figure
         from tools.manual.figure_pages import provenance
 
-        figure(docs, loop_ratios, call_ratios, provenance(device).sentence(command))
+        dqn_loop_figure(docs, provenance(device).sentence(command))
     print(f"wrote {args.output}")
     return 0
 

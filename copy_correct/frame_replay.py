@@ -77,8 +77,9 @@ class FrameReplayBuffer:
         padding: what stands before an episode's first frame in a stack: ``"reset"`` (copies of it, gymnasium's
             ``FrameStackObservation`` default) or ``"zero"`` (its ``padding_type="zero"``).
         action_dtype: storage dtype of actions; default: the space's (``Discrete``: int64), else int64.
-        n_steps, gamma: n-step returns and ``discounts`` in ``sample``'s batches, as ``ReplayBuffer``'s: an env
+        n_steps: the rewards summed into each sampled transition (n-step returns), as ``ReplayBuffer``'s: an env
             stream's next transition is the one that starts at the frame after.
+        gamma: their discount, and ``discounts`` (``gamma**m``) in ``sample``'s batches, as ``ReplayBuffer``'s.
         compress: ``None`` (frames as they are) or a codec, ``"zstd"`` (the smallest) or ``"lz4"`` (the fastest):
             each frame compressed once at ``add``, decompressed at ``sample``; the batches are the same, bit for bit.
             Needs the ``compress`` extra (``pip install "copy-correct[compress]"``).

@@ -282,6 +282,7 @@ ALLOWED: dict[str, Rule] = {
     "model.eval_samples": Whole(1),
     "model.judge_epochs": Whole(1),
     "model.gamma": Real("[0, 1]"),
+    "model.n_steps": Whole(1),
     "model.tau": Real("(0, 1]"),
     "model.batch_size": Whole(1),
     "model.buffer_size": Whole(1),

@@ -316,6 +316,25 @@ def test_a_bad_row_is_a_one_line_error_naming_the_field_and_nothing_is_written(c
     assert frames.stored == (6 if case != "unpadded start" else 3)
 
 
+@pytest.mark.parametrize("compress", [None, "zstd"])
+def test_one_env_obs_that_continues_by_value_with_other_bytes_is_taken(compress: str | None) -> None:
+    """``add`` compares an obs's newest frame with the stream's as bytes first; bytes that differ (float16 stacks for
+    float32 frames, -0.0 for 0.0) are compared by value before a refusal. The control: a value that differs."""
+    if compress is not None:
+        pytest.importorskip("zstandard")
+    frames = FrameReplayBuffer(20, gym.spaces.Box(-9, 9, (2, 3), np.float32), padding="zero", compress=compress)
+    stacks = np.array([[0, 0, 0], [1, 2, 3], [4, 5, 6], [0, 0, 0]], np.float32)
+    frames.add(stacks[0:2], 0, 0.0, stacks[1:3], False, False)
+    frames.add(stacks[1:3].astype(np.float16), 0, 0.0, stacks[2:4], False, False)  # other bytes, the same values
+    negative_zero = stacks[2:4].copy()
+    negative_zero[1, 0] = -0.0
+    frames.add(negative_zero, 0, 0.0, np.array([[0, 0, 0], [7, 8, 9]], np.float32), False, False)
+    assert frames.stored == 3
+    with pytest.raises(ValueError, match=r"^obs does not continue its stream"):
+        frames.add(np.array([[0, 0, 0], [7, 8, 8]], np.float32), 0, 0.0, stacks[:2], False, False)
+    assert frames.stored == 3
+
+
 def test_the_buffer_knows_no_autoreset_mode_it_is_not_told() -> None:
     space = gym.spaces.Box(0, 255, (STACK, *FRAME), np.uint8)
     with pytest.raises(ValueError, match=r"autoreset_mode is needed with num_envs: pass envs.metadata"):

@@ -26,7 +26,8 @@ VARIANTS = [
     "data.root=/nowhere"), ("dqn",), ("dqn", "+dqn=atari"), ("pinned",), ("pinned", "+pinned=gpu_scale"),
     ("ema", "trainer=ddp"), ("ema", "trainer=fsdp"), ("ema", "trainer=gpu", "logger=tensorboard"),
 ]  # fmt: skip
-NOT_NUMBERS = ("ckpt_path", "data", "callbacks.*.monitor")  # null here means no checkpoint, no data, no metric
+# null here means no checkpoint, no data, no metric, frames kept as they are
+NOT_NUMBERS = ("ckpt_path", "data", "callbacks.*.monitor", "model.compress")
 PARSER = OverridesParser.create()
 
 

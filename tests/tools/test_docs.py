@@ -36,7 +36,7 @@ QUOTED_RANGES = {
     ),
     "conf/recipe/metrics.yaml:25:28": ("callbacks:", "mode: raise"),
     "conf/recipe/ema.yaml:30:35": ("callbacks:", "evaluate: both"),
-    "recipes/dqn.py:169:170": (
+    "recipes/dqn.py:175:176": (
         "# Copy decision: one deep copy, once. From here on the target is only written in place.",
         "self.target = make_target(self.q)",
     ),
@@ -167,7 +167,7 @@ def test_control_a_line_added_above_a_quoted_range_is_reported(tmp_path: Path) -
     (tmp_path / "recipes").mkdir()
     (tmp_path / "recipes" / "dqn.py").write_text("# a new first line\n" + (ROOT / "recipes" / "dqn.py").read_text())
     assert quoted_range_problems(tmp_path) == [
-        "dqn.md: recipes/dqn.py:169:170 now quotes "
+        "dqn.md: recipes/dqn.py:175:176 now quotes "
         "'self.q = QNetwork(math.prod(observations.shape), actions.n, hidden)' ... "
         "'# Copy decision: one deep copy, once. From here on the target is only written in place.'"
     ]

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.dqn_loop import CONTENDERS, SB3, figure
+from benchmarks.dqn_loop import CONTENDERS, SB3
+from benchmarks.report import write_section
 from copy_correct import FrameReplayBuffer
+from tools.manual.figure_bench import DQN_LOOP, dqn_loop_figure
 from tools.manual.figure_pages import FIGURES, figure_blocks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,13 +46,33 @@ def test_the_quick_run_writes_a_row_per_contender_beside_the_other_sections(tmp_
     assert "figure:" not in text and not (tmp_path / FIGURES).exists()  # not the manual: no chart, no figure
 
 
-def test_the_dqn_pages_figure_goes_into_its_block(tmp_path: Path) -> None:
+def test_the_dqn_pages_chart_is_drawn_from_the_loops_tables_into_its_block(tmp_path: Path) -> None:
+    """The tables as ``loop_table`` and ``calls_table`` write them; a buffer not run (``-``) has no bar."""
+    (tmp_path / "index.md").write_text("# Manual\n")
     (tmp_path / "recipes").mkdir()
     (tmp_path / "recipes" / "dqn.md").write_text(
         "# dqn\n\n<!-- figure:dqn-loop:start -->\n<!-- figure:dqn-loop:end -->\n"
     )
-    ratios = {key: 1.0 + i / 10 for i, key in enumerate(list(CONTENDERS)[:3])}
-    figure(tmp_path, ratios, {key: (1.5, 0.8, 2.0) for key in ratios}, "Made by `x`.")
+    names = [name for name, _ in CONTENDERS.values()]
+    loop = (
+        "| buffer | steps/s | loop: stable-baselines3 / ours |\n| --- | ---: | ---: |\n"
+        + "".join(f"| {name} | 100.0 | {1 + i / 10:.3f}x |\n" for i, name in enumerate(names[:3]))
+        + f"| {names[3]} | not run: why | - |\n"
+    )
+    calls = "| buffer | add µs | add: stable-baselines3 / ours |\n| --- | ---: | ---: |\n" + "".join(
+        f"| {name} | 5.0 | 0.80x |\n" for name in names[:3]
+    )
+    write_section(tmp_path / "benchmarks.md", DQN_LOOP, "The DQN loop (cpu)", "Measured with `x`.",
+                  f"**The loop**: 2 rounds\n\n{loop}\n**The calls alone**: 2 rounds\n\n{calls}")  # fmt: skip
+    assert dqn_loop_figure(tmp_path, "Made by `x`.") == tmp_path / FIGURES / "dqn-loop.png"
     body = figure_blocks((tmp_path / "recipes" / "dqn.md").read_text())["dqn-loop"]
     assert "](../figures/dqn-loop.png)" in body and "Made by `x`." in body
     assert (tmp_path / FIGURES / "dqn-loop.png").stat().st_size > 0
+
+
+def test_control_no_chart_without_the_section_or_the_block(tmp_path: Path) -> None:
+    (tmp_path / "benchmarks.md").write_text("# Benchmarks\n")
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "dqn.md").write_text("# dqn\n")
+    assert dqn_loop_figure(tmp_path, "Made by `x`.") is None
+    assert not (tmp_path / FIGURES).exists()

@@ -157,8 +157,66 @@ def _panel(ax: plt.Axes, caption: str, labels: list[str], values: dict[str, list
         ax.set_xlabel(f"{next(iter(values))} (log scale)")
 
 
+DQN_LOOP = "dqn-loop-cpu"  # the section of benchmarks.md the DQN page's chart is drawn from
+DQN_LOOP_COLUMNS = {  # the tables' ratio columns, as the chart names them
+    "loop: stable-baselines3 / ours": "the loop's steps/s",
+    "add: stable-baselines3 / ours": "add",
+    "add after a forward: stable-baselines3 / ours": "add after a forward",
+    "sample: stable-baselines3 / ours": "sample(32)",
+}
+
+
+def dqn_loop_figure(docs: Path, made_by: str) -> Path | None:
+    """The DQN page's chart (block ``dqn-loop`` of ``recipes/dqn.md``): the ratios to stable-baselines3 of section
+    ``dqn-loop-cpu`` of ``benchmarks.md`` (``python -m benchmarks.dqn_loop``), a group of bars per buffer; ``None``
+    where the manual has no such section or block, or the section no ratio (stable-baselines3 not run)."""
+    markdown, page = (docs / "benchmarks.md").read_text(), docs / "recipes" / "dqn.md"
+    if DQN_LOOP not in sections(markdown) or not page.is_file() or "dqn-loop" not in figure_blocks(page.read_text()):
+        return None
+    _, tables = read_section_tables(markdown, DQN_LOOP)
+    columns: dict[str, dict[str, float]] = {}
+    for caption in tables.values():
+        for label, row in caption.items():
+            for column, name in DQN_LOOP_COLUMNS.items():
+                value = _ratio(row.get(column, ""), column)
+                if value is not None:
+                    columns.setdefault(name, {})[label] = value
+    shown = {label for values in columns.values() for label in values}
+    labels = list(dict.fromkeys(label for rows in tables.values() for label in rows if label in shown))
+    if not labels:
+        return None
+    fig, ax = plt.subplots(figsize=(8.5, 0.9 + 0.9 * len(labels)))
+    width = 0.84 / len(columns)
+    for i, (name, values) in enumerate(columns.items()):
+        for row, label in enumerate(labels):
+            if label not in values:
+                continue
+            y = row + (i - (len(columns) - 1) / 2) * width
+            ax.barh(y, values[label], height=width * 0.9, label=name if row == 0 else None,
+                    color=("#4c72b0", "#dd8452", "#c9a227", "#55a868")[i % 4])  # fmt: skip
+            ax.text(values[label] * 1.01, y, f"{values[label]:.2f}x", va="center", fontsize=7)
+    ax.axvline(1.0, color="black", lw=0.8)
+    ax.axvline(0.95, color="#c44e52", lw=0.8, ls="--", label="0.95x (issue 43's floor for the loop)")
+    ax.set_yticks(range(len(labels)), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("stable-baselines3's time / ours (above 1: faster than stable-baselines3)")
+    ax.legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(0, -0.25), ncol=2, frameon=False)
+    ax.grid(axis="y", visible=False)
+    fig.tight_layout()
+    caption = (
+        "CleanRL's dqn_atari.py loop on recorded Pong frames with each buffer: its steps a second, and its add and "
+        "sample(32) timed alone, each as stable-baselines3's time over its own (the tables of "
+        f"benchmarks.md's section {DQN_LOOP}). "
+    )
+    alt = "The DQN loop's speed, add and sample against stable-baselines3"
+    return save_figure(fig, docs, "recipes/dqn.md", "dqn-loop", alt, caption + made_by,
+                       extra=f"<!-- tables {digest(tables)} -->\n")  # fmt: skip
+
+
 def benchmark_figures(ctx: Context) -> None:
-    """Every section of ``docs/benchmarks.md`` with a ratio column, charted beside its tables."""
+    """Every section of ``docs/benchmarks.md`` with a ratio column, charted beside its tables; and the DQN page's
+    chart of the DQN loop's section (``dqn_loop_figure``)."""
     page = "benchmarks.md"
     for key in sections((ctx.docs / page).read_text()):
         draw_section_chart(ctx.docs, page, key, ctx.provenance.sentence(ctx.command))
+    dqn_loop_figure(ctx.docs, ctx.provenance.sentence(ctx.command))
