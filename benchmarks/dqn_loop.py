@@ -21,7 +21,9 @@ its own in the same round, the median over rounds (above 1: faster than stable-b
 in the loop are the time the loop waits in those calls (with ``SampleAhead``, ``add`` includes waiting for a draw in
 flight); apart, each call is timed alone (``benchmarks.report.median_ms``, interleaved), ``SampleAhead.sample()``
 back to back, so with nothing to overlap, and ``add`` once more right after the network's forward of one stack (the
-loop's order), which leaves the caches cold.
+loop's order), which leaves the caches cold, with a sample every 4 adds as in the loop. A compressed buffer compresses
+the frames added since the last sample at the next one (or every 64 adds): in the loop, that is the sample's time (on
+``SampleAhead``'s thread, where there is one); alone, back-to-back adds pay it every 64th.
 """
 
 from __future__ import annotations
@@ -245,9 +247,12 @@ def loop_table(made: dict[str, Loop], times: dict[str, list], stretch: int, not_
 
 def adds_after_a_forward(made: dict[str, Loop], rounds: int) -> dict[str, float]:
     """Milliseconds of an ``add`` right after the network's forward of one stack (the loop's order, the forward not
-    timed), the median over ``rounds``, every contender in turn in each round."""
+    timed), the median over ``rounds``, every contender in turn in each round, with a ``sample(32)`` (not timed) every
+    4 rounds as in the loop: a compressed buffer's frames are compressed by the next sample (its time is in the loop's
+    table), where without samples every 64th add would compress 64. ``add`` alone (``calls_table``) is timed in runs of
+    about 20 ms of adds and no sample: its time per add counts those compressions."""
     times: dict[str, list[float]] = {key: [] for key in made}
-    for _ in range(rounds):
+    for round_ in range(rounds):
         for key, loop in made.items():
             i = loop.steps % len(loop.stacks)
             loop.act(i)
@@ -256,6 +261,8 @@ def adds_after_a_forward(made: dict[str, Loop], rounds: int) -> dict[str, float]
             loop.feed.add(i)
             times[key].append((time.perf_counter() - start) * 1e3)
             loop.steps += 1
+            if round_ % EVERY == EVERY - 1:
+                loop.feed.sample()
     return {key: statistics.median(values) for key, values in times.items()}
 
 

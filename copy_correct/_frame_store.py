@@ -1,20 +1,26 @@
-"""The compressed frames of a ``FrameReplayBuffer(compress=...)``: each frame compressed once as it is written, into
-blocks of ``BLOCK`` bytes (or the codec's bound, if larger) that the env streams take from one pool. A stream fills
-its block in order and takes another when a frame does not fit; as a stream's ring overwrites its oldest frames in
-order, a block whose last frame is overwritten goes back to the pool (at most two partly used blocks a stream). Per
-slot of each ring: where its bytes are (``block * block size + offset``, uint32 until the pool outgrows 4 GiB, then
-int64) and how many (uint16 when the codec's bound fits). No Python object per frame, one per block.
+"""The compressed frames of a ``FrameReplayBuffer(compress=...)``: each frame compressed once, into blocks of
+``BLOCK`` bytes (or the codec's bound, if larger) that the env streams take from one pool. A stream fills its block in
+order and takes another when a frame does not fit; as a stream's ring overwrites its oldest frames in order, a block
+whose last frame is overwritten goes back to the pool (at most two partly used blocks a stream). Per slot of each
+ring: where its bytes are (``block * block size + offset``, uint32 until the pool outgrows 4 GiB, then int64) and how
+many (uint16 when the codec's bound fits). No Python object per frame, one per block.
 
-Copy contract: new storage only: a block, once, when the pool has none free (``nbytes`` counts every block and the
-per-slot arrays); ``put`` copies a frame once, into bytes that it compresses into a block and keeps as ``newest``
-(each stream's newest frame, which ``add``'s checks compare with); ``gather`` decompresses each distinct frame once
-into new memory, then copies the rows asked for into the caller's tensor. ``state`` copies the live compressed
-bytes, oldest first, into new memory; ``load`` copies them into fresh blocks. Numpy memory and bytes only: autograd
-sees none of it.
+When: a frame is compressed at the next read (``gather``, ``state``), or by the put that leaves ``PENDING`` frames
+waiting, in the order the frames were put, so the blocks are what compressing each at its put would give. In
+CleanRL's cadence (a sample every 4 steps) the compression is the sample's: the add is as cheap as an uncompressed
+one, and with ``SampleAhead`` the compression runs on its thread, beside the network's update.
+
+Copy contract: new storage only: a block, once, when the pool has none free (``nbytes`` counts every block, the
+per-slot arrays and the frames waiting); ``put`` copies a frame once, into bytes, kept as ``newest`` (each stream's
+newest frame, which ``add``'s checks compare with) and until compressed into a block; ``gather`` decompresses each
+distinct frame once into new memory, then copies the rows asked for into the caller's tensor. ``state`` copies the
+live compressed bytes, oldest first, into new memory; ``load`` copies them into fresh blocks. Numpy memory and bytes
+only: autograd sees none of it.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 
 import numpy as np
@@ -27,6 +33,7 @@ __all__ = ["BLOCK", "CompressedFrames"]
 NONE = np.empty(0, dtype=np.int64)
 
 BLOCK = 1 << 16
+PENDING = 64  # frames put and not yet compressed, at most: the next read, or the put that makes this many, compresses
 ADDRESSABLE = 1 << 32  # bytes of blocks a uint32 address reaches
 
 
@@ -40,6 +47,7 @@ class CompressedFrames:
         self.block = max(BLOCK, codec.bound)
         self.address = np.zeros(envs * length, dtype=np.uint32)
         self.size = np.zeros(envs * length, dtype=np.uint16 if codec.bound < 1 << 16 else np.uint32)
+        self._flushing = threading.Lock()  # a draw on SampleAhead's thread and a state_dict on the loop's
         self._empty(envs)
 
     def _empty(self, envs: int) -> None:
@@ -49,6 +57,7 @@ class CompressedFrames:
         self._forget()
         self._open, self._fill = [0] * envs, [self.block] * envs  # each stream's block, and its bytes used
         self.newest = [bytes(self.frame_bytes)] * envs  # each stream's newest frame, as bytes (zeros: none yet)
+        self._pending: list[tuple[int, int, bytes]] = []  # (env, position, frame) put since the last flush, in order
 
     def _forget(self) -> None:
         """Drop the frames the last ``gather`` decompressed (a ``put`` may have overwritten them)."""
@@ -56,12 +65,10 @@ class CompressedFrames:
 
     @property
     def nbytes(self) -> int:
-        return (
-            len(self._blocks) * self.block
-            + self.address.nbytes
-            + self.size.nbytes
-            + len(self.newest) * self.frame_bytes
-        )
+        """Every block, the per-slot arrays, each stream's newest frame and the frames not yet compressed."""
+        waiting = sum(data is not self.newest[env] for env, _, data in self._pending)  # the newest: counted once
+        held = (len(self.newest) + waiting) * self.frame_bytes
+        return len(self._blocks) * self.block + self.address.nbytes + self.size.nbytes + held
 
     def newest_frames(self, at: np.ndarray) -> np.ndarray:
         """The newest frame of each stream of ``at``, as a new array."""
@@ -69,17 +76,30 @@ class CompressedFrames:
         return np.frombuffer(joined, dtype=self.dtype).reshape(len(at), *self.shape)
 
     def put(self, env: int, position: int, frame: np.ndarray) -> None:
-        """Compress ``frame``, the ``position``-th of stream ``env``, into the stream's block. One copy of it, as bytes,
-        serves the codec (which takes contiguous memory) and ``newest`` (compared as bytes: a third of the time of
-        ``np.array_equal`` right after a network's forward, when the caches are cold)."""
+        """``frame``, the ``position``-th of stream ``env``, copied once, into bytes: the stream's ``newest``
+        (compared as bytes: a third of the time of ``np.array_equal`` right after a network's forward, when the caches
+        are cold), and compressed by the next ``flush``: the next read's, or this put's if it makes ``PENDING``."""
         data = frame.tobytes()
+        self._pending.append((env, position, data))
+        self.newest[env] = data
+        self._decoded_rows = NONE
+        if len(self._pending) >= PENDING:
+            self.flush()
+
+    def flush(self) -> None:
+        """Compress the frames put since the last flush into their streams' blocks, in the order they were put: the
+        blocks, addresses and sizes are what compressing each at its ``put`` gives."""
+        with self._flushing:
+            pending, self._pending = self._pending, []
+            for env, position, data in pending:
+                self._commit(env, position, data)
+
+    def _commit(self, env: int, position: int, data: bytes) -> None:
         if position >= self.length:  # it overwrites the frame `length` before: its block may hold nothing else now
             old = int(self.address[env * self.length + position % self.length]) // self.block
             if self._last_position[old] == position - self.length:
                 self._free.append(old)
         self._place(env, position, self.codec.compress(data))
-        self.newest[env] = data
-        self._decoded_rows = NONE
 
     def _place(self, env: int, position: int, data: bytes) -> None:
         """``data`` into the stream's block (another, from the pool, if it does not fit), for ``position``'s slot."""
@@ -104,7 +124,10 @@ class CompressedFrames:
     def gather(self, rows: np.ndarray, out: torch.Tensor) -> None:
         """Into ``out`` (``len(rows)`` frames): for each row ``env * (length + 1) + slot`` that slot's frame, zeros for
         slot ``length`` (zero padding). Each distinct frame is decompressed once, and not again by the next
-        ``gather`` before a ``put`` (``sample``'s second, for ``next_obs``, shares most of the first's frames)."""
+        ``gather`` before a ``put`` (``sample``'s second, for ``next_obs``, shares most of the first's frames). The
+        frames put since the last read are compressed first (``flush``)."""
+        if self._pending:
+            self.flush()
         distinct, inverse = np.unique(rows, return_inverse=True)
         frames = np.empty((len(distinct), self.frame_bytes), dtype=np.uint8)
         known = self._decoded_rows
@@ -140,7 +163,9 @@ class CompressedFrames:
 
     def state(self, written: np.ndarray) -> dict[str, np.ndarray]:
         """The live compressed frames of every stream, oldest first, as one new array of bytes, and each slot's size
-        (int32: a dtype every torch saves)."""
+        (int32: a dtype every torch saves); the frames put since the last read compressed first."""
+        if self._pending:
+            self.flush()
         rows = [row for _, _, row in self._live(written)]
         data = np.empty(int(self.size[rows].sum()), dtype=np.uint8)
         into, cursor = memoryview(data), 0

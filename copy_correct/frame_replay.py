@@ -10,9 +10,10 @@ A stacked observation shares all its frames but one with the next. This buffer k
 stream and, per transition, the newest frame of ``next_obs``, its action, reward and flags and where its episode began
 (an episode's first frame costs one frame more); ``sample`` rebuilds both stacks of each drawn transition with one
 gather each, padded before an episode's start as ``FrameStackObservation`` pads (``padding="reset"``: copies of the
-first frame; ``"zero"``). ``compress="zstd"`` or ``"lz4"``: each frame compressed once, at ``add`` (``_frame_store``),
-the batches bit for bit the same. Vector envs and autoreset modes as ``ReplayBuffer``'s; what a row must be to be
-stored: ``_replay_frames``. Bytes and times against whole-stack buffers: docs/recipes/dqn.md, "Atari".
+first frame; ``"zero"``). ``compress="zstd"`` or ``"lz4"``: each frame compressed once, by the next ``sample`` (or
+every 64th ``add``: ``_frame_store``), the batches bit for bit the same. Vector envs and autoreset modes as
+``ReplayBuffer``'s; what a row must be to be stored: ``_replay_frames``. Bytes and times against whole-stack buffers:
+docs/recipes/dqn.md, "Atari".
 
 Copy contract (``ReplayBuffer``'s, on the host):
 
@@ -81,7 +82,8 @@ class FrameReplayBuffer:
             stream's next transition is the one that starts at the frame after.
         gamma: their discount, and ``discounts`` (``gamma**m``) in ``sample``'s batches, as ``ReplayBuffer``'s.
         compress: ``None`` (frames as they are) or a codec, ``"zstd"`` (the smallest) or ``"lz4"`` (the fastest):
-            each frame compressed once at ``add``, decompressed at ``sample``; the batches are the same, bit for bit.
+            each frame compressed once (by the next ``sample``, ``state_dict``, or every 64th ``add``: with
+            ``SampleAhead``, on its thread), decompressed at ``sample``; the batches are the same, bit for bit.
             Needs the ``compress`` extra (``pip install "copy-correct[compress]"``).
 
     Attributes:

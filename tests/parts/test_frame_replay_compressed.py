@@ -10,8 +10,12 @@ whose package is missing (naming the extra)."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -23,7 +27,7 @@ import torch
 
 import copy_correct._frame_store as frame_store
 import copy_correct.frame_replay as frame_replay
-from copy_correct import FrameReplayBuffer
+from copy_correct import FrameReplayBuffer, SampleAhead
 from tests.conftest import ROOT
 from tests.parts.test_frame_replay import FRAME, MODES, STACK, play, vector_envs
 
@@ -65,13 +69,13 @@ def test_every_batch_is_the_uncompressed_buffers_bit_for_bit(
 class EarlyFree(frame_store.CompressedFrames):
     """Takes a block back as soon as the frame after the one overwritten is its last: one frame too early."""
 
-    def put(self, env: int, position: int, frame: np.ndarray) -> None:
+    def _commit(self, env: int, position: int, data: bytes) -> None:
         soon = position - self.length + 1
         if soon >= 0:
             block = int(self.address[env * self.length + soon % self.length]) // self.block
             if self._last_position[block] == soon and block != self._open[env] and block not in self._free:
                 self._free.append(block)
-        super().put(env, position, frame)
+        super()._commit(env, position, data)
 
 
 def test_the_control_a_pool_that_takes_blocks_back_early_samples_frames_it_no_longer_holds(
@@ -268,3 +272,97 @@ def test_float_frames_come_back_bit_for_bit(compress: str) -> None:
         obs = np.repeat(nxt[-1:], STACK, 0) if done else nxt
     plain, packed = (b.sample(100, torch.Generator().manual_seed(0)) for b in buffers)
     assert packed["obs"].dtype == torch.float32 and all(torch.equal(plain[k], packed[k]) for k in plain)
+
+
+def stacks(steps: int, seed: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``(obs, next_obs)`` of one env's episode of ``steps`` steps, frames of random bytes, padded as at a reset."""
+    rng = np.random.default_rng(seed)
+    obs = np.repeat(rng.integers(0, 256, (1, *FRAME), dtype=np.uint8), STACK, 0)
+    for _ in range(steps):
+        nxt = np.concatenate([obs[1:], rng.integers(0, 256, (1, *FRAME), dtype=np.uint8)])
+        yield obs, nxt
+        obs = nxt
+
+
+def test_frames_wait_uncompressed_until_the_next_read_or_until_a_put_makes_64_wait() -> None:
+    """Counted by ``nbytes`` while they wait (the newest once: it is also the stream's ``newest``)."""
+    frames = FrameReplayBuffer(1000, space(), compress="zstd")
+    store, steps = frames._store, stacks(200)
+    for obs, nxt in itertools.islice(steps, 10):
+        frames.add(obs, 0, 0.0, nxt, False)
+    assert len(store._pending) == 11 and store._blocks == []  # the first add wrote obs's frame too
+    assert store.nbytes == store.address.nbytes + store.size.nbytes + 11 * store.frame_bytes
+    frames.sample(8, torch.Generator().manual_seed(0))
+    assert store._pending == [] and len(store._blocks) >= 1
+    assert (
+        store.nbytes == len(store._blocks) * store.block + store.address.nbytes + store.size.nbytes + store.frame_bytes
+    )
+    for obs, nxt in itertools.islice(steps, frame_store.PENDING - 1):
+        frames.add(obs, 0, 0.0, nxt, False)
+    assert len(store._pending) == frame_store.PENDING - 1
+    obs, nxt = next(steps)
+    frames.add(obs, 0, 0.0, nxt, False)
+    assert store._pending == []
+
+
+class Reversed(frame_store.CompressedFrames):
+    """Compresses the frames waiting newest first."""
+
+    def flush(self) -> None:
+        self._pending.reverse()
+        super().flush()
+
+
+@pytest.mark.parametrize("kind", ["waiting", "the control: reversed"])
+def test_frames_compressed_late_lie_where_frames_compressed_at_their_put_lie(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same addresses and sizes (and so the same blocks taken) as a buffer that compresses each frame at its put
+    (``PENDING = 1``), rings wrapped, a sample every 4 adds, then every 100 (past 64 waiting); the same saved bytes.
+    The control compresses the frames waiting out of order."""
+
+    def fill(pending: int, kind: type[frame_store.CompressedFrames]) -> FrameReplayBuffer:
+        monkeypatch.setattr(frame_store, "PENDING", pending)
+        monkeypatch.setattr(frame_replay, "CompressedFrames", kind)
+        frames, generator = FrameReplayBuffer(120, space(), compress="zstd"), torch.Generator().manual_seed(0)
+        for t, (obs, nxt) in enumerate(stacks(1000)):
+            frames.add(obs, 0, 0.0, nxt, False)
+            if (t % 4 == 3 and t < 500) or t % 100 == 99:
+                frames.sample(8, generator)
+        frames._store.flush()
+        return frames
+
+    eager = fill(1, frame_store.CompressedFrames)
+    late = fill(64, frame_store.CompressedFrames if kind == "waiting" else Reversed)
+    same = [
+        np.array_equal(eager._store.address, late._store.address),
+        np.array_equal(eager._store.size, late._store.size),
+        len(eager._store._blocks) == len(late._store._blocks),
+    ]
+    assert torch.equal(eager.state_dict()["frame_bytes"], late.state_dict()["frame_bytes"])
+    assert all(same) if kind == "waiting" else not all(same)
+
+
+def test_with_sample_ahead_its_thread_compresses_the_frames_added_since_the_draw_before() -> None:
+    frames, compressed_on = FrameReplayBuffer(1000, space(), compress="zstd"), []
+    codec = frames._store.codec
+
+    def compress(data: bytes) -> bytes:
+        compressed_on.append(threading.current_thread().name)
+        return codec.compress(data)
+
+    frames._store.codec = dataclasses.replace(codec, compress=compress)
+    steps = stacks(200)
+    for obs, nxt in itertools.islice(steps, 10):
+        frames.add(obs, 0, 0.0, nxt, False)
+    with SampleAhead(frames, 8, generator=torch.Generator().manual_seed(0)) as ahead:
+        ahead.sample()  # batches 0 and 1, drawn in turn on the thread: the first compresses the 11 frames
+        for obs, nxt in itertools.islice(steps, 4):
+            ahead.add(obs, 0, 0.0, nxt, False)
+        ahead.sample()  # batch 1, and the draw of batch 2, which compresses the 4 frames
+        ahead.wait()
+    assert len(compressed_on) == 15 and all(name.startswith("SampleAhead") for name in compressed_on)
+    obs, nxt = next(steps)
+    frames.add(obs, 0, 0.0, nxt, False)
+    frames.sample(8, torch.Generator().manual_seed(0))  # the control: sampled by the loop, the loop compresses
+    assert compressed_on[-1] == threading.main_thread().name
