@@ -21,7 +21,8 @@ Copy contract:
   Between calls, read or write the buffer only through ``add``, or after ``wait()``.
 * What autograd sees: what ``buffer.sample`` gives (no graph) and what ``buffer.add`` writes (detached values).
 
-A draw's error is raised by the ``sample()`` that would have returned its batch. ``close()`` (or leaving the
+A ``FrameReplayBuffer(compress=...)`` compresses the frames added since the draw before at the next draw: on the
+thread. A draw's error is raised by the ``sample()`` that would have returned its batch. ``close()`` (or leaving the
 ``with`` block) waits for the draw in flight and ends the thread; an unclosed ``SampleAhead`` that is garbage
 collected ends it too. A CUDA batch is copied on the thread's current stream: the default stream, as the loop's.
 """
