@@ -18,9 +18,9 @@ docs/recipes/dqn.md, "Atari".
 Copy contract (``ReplayBuffer``'s, on the host):
 
 * New storage, once, at construction: the rings, numpy memory in the observation's dtype, ``nbytes`` in all
-  (compressed frames: blocks taken as the rings fill, counted too). ``add`` copies into them; ``sample`` gathers each
-  field into new memory (``obs`` and ``next_obs`` share frames, not memory), pinned for a CUDA ``device`` and copied
-  without a wait (``_host_batch``).
+  (compressed frames: blocks taken as the rings fill, and the frames waiting to be compressed, counted too). ``add``
+  copies into them; ``sample`` gathers each field into new memory (``obs`` and ``next_obs`` share frames, not
+  memory), pinned for a CUDA ``device`` and copied without a wait (``_host_batch``).
 * Shared: nothing with the caller, nor between a batch and the rings, so training code may change a batch in place.
   ``state_dict()`` shares the rings (not copied; compressed frames: their bytes copied) and every stream's position:
   a resumed run samples the transitions the uninterrupted one would; it loads with ``torch.load(...,
@@ -88,7 +88,8 @@ class FrameReplayBuffer:
 
     Attributes:
         stack, frame_shape: the frames per observation and the shape of one frame.
-        nbytes: the bytes of storage: allocated at construction (compressed: and the blocks taken since).
+        nbytes: the bytes of storage: allocated at construction (compressed: and the blocks taken since, and the
+            frames waiting to be compressed).
     """
 
     def __init__(
@@ -190,7 +191,7 @@ class FrameReplayBuffer:
 
     @property
     def nbytes(self) -> int:
-        """The bytes of storage (compressed: with every block taken, in use or free)."""
+        """The bytes of storage (compressed: with every block taken, in use or free, and the frames waiting)."""
         return self._fixed_nbytes + (0 if self._store is None else self._store.nbytes)
 
     @property
