@@ -25,6 +25,7 @@ Tensor parts:
     load_checked         torch.load(weights_only=True) of a file after its digests are checked: nothing in it runs
     verify_checkpoint    a checkpoint file's or sharded directory's digests checked, nothing loaded
     DamagedFile          a file whose bytes do not match the digests written with it, or not torch.save's at all
+    MissingFile          a file handed over that is not there: a FileNotFoundError and a DamagedFile
     UnsafeFile           a file whose pickle names what a weights_only load refuses (loading it could run code)
 """
 
@@ -32,7 +33,7 @@ from copy_correct._nonfinite import skipped_updates
 from copy_correct.checked_load import load_checked, verify_checkpoint
 from copy_correct.device_loader import DeviceDataLoader, make_loader
 from copy_correct.ema import EMA
-from copy_correct.errors import CheckpointMismatch, DamagedFile, UnsafeFile
+from copy_correct.errors import CheckpointMismatch, DamagedFile, MissingFile, UnsafeFile
 from copy_correct.frame_replay import FrameReplayBuffer
 from copy_correct.freeze import frozen
 from copy_correct.grad_average import GradientAverager
@@ -51,6 +52,7 @@ __all__ = [
     "DevicePrefetcher",
     "FrameReplayBuffer",
     "GradientAverager",
+    "MissingFile",
     "PowerEMA",
     "ReplayBuffer",
     "SampleAhead",

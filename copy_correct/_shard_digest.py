@@ -8,9 +8,10 @@ Contract:
   and ``meta.pt`` are written, before the directory is put in place (one more read of the checkpoint's bytes, from
   the page cache: ``torch.distributed.checkpoint``'s ``.distcp`` files are raw tensor bytes with no digest of their
   own).
-* ``verify_directory(directory)`` raises ``DamagedFile`` (a ``ValueError``, one line naming the file) for a directory
-  without ``digests.json`` (written by Lightning's own ``ModelParallelStrategy``, or before digests were written: its
-  shards cannot be verified), a listed file missing, of another size or CRC-32, or a file in the directory that the
+* ``verify_directory(directory)`` raises ``MissingFile`` (a ``FileNotFoundError`` and a ``DamagedFile``) for no
+  directory there; ``DamagedFile`` (a ``ValueError``, one line naming the file) for a directory without
+  ``digests.json`` (written by Lightning's own ``ModelParallelStrategy``, or before digests were written: its shards
+  cannot be verified), a listed file missing, of another size or CRC-32, or a file in the directory that the
   digests do not list; ``meta.pt`` is also checked against its own digests (``verify_file``); and ``UnsafeFile`` for a
   ``.metadata`` whose pickle names anything but ``torch.distributed.checkpoint``'s metadata classes, ``torch.Size``,
   dtypes, layouts and paths (``torch.distributed.checkpoint`` reads it with a plain ``pickle.load``, which would
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 
 from copy_correct._file_digest import verify_file
-from copy_correct.errors import DamagedFile, UnsafeFile
+from copy_correct.errors import DamagedFile, UnsafeFile, check_exists
 
 __all__ = ["DIGESTS", "verify_directory", "write_digests"]
 
@@ -62,8 +63,9 @@ def write_digests(directory: Path) -> Path:
 
 def verify_directory(directory: Path) -> None:
     """Raise ``DamagedFile``/``UnsafeFile`` unless every file of the distributed checkpoint ``directory`` matches the
-    digests written with it and its ``.metadata`` names nothing unsafe (module docstring)."""
-    path = directory / DIGESTS
+    digests written with it and its ``.metadata`` names nothing unsafe (module docstring); ``MissingFile`` when there
+    is no ``directory``."""
+    path = check_exists(directory) / DIGESTS
     if not path.is_file():
         raise DamagedFile(
             f"{directory} has no {DIGESTS} (written by Lightning's own ModelParallelStrategy, not by "

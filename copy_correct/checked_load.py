@@ -17,8 +17,9 @@ Safety contract:
   builtin types they name as element types, ``typing.Any``, ``collections.defaultdict``): classes whose construction
   from a pickle sets attributes and calls nothing else. A user's dataclass named by a structured config is not on
   it, so such a checkpoint is refused, naming it.
-* Refusals are one-line ``ValueError``s naming the file: ``DamagedFile`` (the digests, or a load that fails on a
-  file that passed them), ``UnsafeFile`` (the globals a ``weights_only`` load refuses, named by
+* Refusals are one-line ``ValueError``s naming the file: ``MissingFile`` (nothing at the path: also a
+  ``FileNotFoundError``), ``DamagedFile`` (the digests, or a load that fails on a file that passed them),
+  ``UnsafeFile`` (the globals a ``weights_only`` load refuses, named by
   ``torch.serialization.get_unsafe_globals_in_checkpoint``). ``main()`` of ``copy-correct`` prints them as one line.
 * Copies: with ``mmap=True`` the tensors are read-only memory maps of the file (nothing read until used); the
   verification reads the file once before, holding no copy of it.
@@ -38,9 +39,9 @@ import torch
 
 from copy_correct._file_digest import verify_file
 from copy_correct._shard_digest import verify_directory
-from copy_correct.errors import DamagedFile, UnsafeFile
+from copy_correct.errors import DamagedFile, MissingFile, UnsafeFile, check_exists
 
-__all__ = ["DamagedFile", "UnsafeFile", "hyperparameter_classes", "load_checked", "verify_checkpoint"]
+__all__ = ["DamagedFile", "MissingFile", "UnsafeFile", "hyperparameter_classes", "load_checked", "verify_checkpoint"]
 
 
 def hyperparameter_classes() -> tuple[Any, ...]:
@@ -59,8 +60,9 @@ def hyperparameter_classes() -> tuple[Any, ...]:
 
 def load_checked(path: str | os.PathLike[str], *, mmap: bool = False, allow: Iterable[Any] = ()) -> Any:
     """``torch.load(path, weights_only=True)`` on CPU after ``verify_file(path)``, with the globals ``allow`` lets
-    through (``hyperparameter_classes()`` for a Lightning checkpoint's); ``DamagedFile``/``UnsafeFile`` otherwise."""
-    path, allow = Path(path), tuple(allow)
+    through (``hyperparameter_classes()`` for a Lightning checkpoint's); ``MissingFile``/``DamagedFile``/``UnsafeFile``
+    otherwise."""
+    path, allow = check_exists(path), tuple(allow)
     verify_file(path)
     try:
         with torch.serialization.safe_globals(list(allow)):
@@ -80,8 +82,9 @@ def load_checked(path: str | os.PathLike[str], *, mmap: bool = False, allow: Ite
 def verify_checkpoint(path: str | os.PathLike[str]) -> None:
     """Check a checkpoint before ``Module.load_from_checkpoint(path)`` or a resume reads it: a file against its
     digests (``verify_file``), a distributed checkpoint's directory against its ``digests.json`` with its
-    ``.metadata`` parsed safely (``copy_correct._shard_digest.verify_directory``); ``DamagedFile``/``UnsafeFile``."""
-    path = Path(path)
+    ``.metadata`` parsed safely (``copy_correct._shard_digest.verify_directory``); ``MissingFile`` when nothing is
+    there, ``DamagedFile``/``UnsafeFile``."""
+    path = check_exists(path)
     if path.is_dir():
         verify_directory(path)
     else:

@@ -1,11 +1,16 @@
-"""The exceptions a user catches, where importing them loads nothing but this package's tensor parts (no Lightning).
+"""The exceptions a user catches, where importing them loads nothing but this package's tensor parts (no Lightning),
+and ``check_exists``, the loaders' first check of a path handed over (``MissingFile``).
 
 Copy contract: none; no tensor is touched.
 """
 
 from __future__ import annotations
 
-__all__ = ["CheckpointMismatch", "DamagedFile", "UnsafeFile"]
+import errno
+import os
+from pathlib import Path
+
+__all__ = ["CheckpointMismatch", "DamagedFile", "MissingFile", "UnsafeFile", "check_exists"]
 
 
 class CheckpointMismatch(ValueError):
@@ -23,3 +28,21 @@ class DamagedFile(ValueError):
 class UnsafeFile(ValueError):
     """A file handed over to be loaded whose pickle names globals a ``weights_only`` load refuses: loading it otherwise
     could run code. The message is one line naming the file and the names."""
+
+
+class MissingFile(FileNotFoundError, DamagedFile):
+    """A file (or a distributed checkpoint's directory) handed over to be loaded that is not there: a
+    ``FileNotFoundError`` (``errno`` ``ENOENT``, ``filename`` the path) and a ``DamagedFile``, so that ``except
+    FileNotFoundError`` and ``except DamagedFile`` (or ``ValueError``) both catch it. The message is one line naming
+    the path."""
+
+    def __str__(self) -> str:
+        return f"{self.filename} does not exist" if self.filename is not None else super().__str__()
+
+
+def check_exists(path: str | os.PathLike[str]) -> Path:
+    """``path`` as a ``Path``, or ``MissingFile`` naming it when nothing is there (a broken link included)."""
+    path = Path(path)
+    if not path.exists():
+        raise MissingFile(errno.ENOENT, "no such file or directory", str(path))
+    return path
