@@ -1,6 +1,8 @@
 """Stale temporary files: ``remove_stale_temporaries`` removes the ``.NAME.tmp-PID`` files and directories of dead
-processes and keeps a live process's and a set-aside ``.old-PID`` checkpoint; ``StaleTemporaries`` does it when a
-resumed fit starts, in its own checkpoint folder and the resumed run's (the control, a fit without it, leaves them)."""
+processes and keeps a live process's (another writer's as well as this one's: the control, a liveness test that takes
+every other process for dead, deletes it) and a set-aside ``.old-PID`` checkpoint; ``StaleTemporaries`` does it when
+a resumed fit starts, in its own checkpoint folder and the resumed run's (the control, a fit without it, leaves
+them)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,10 @@ import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
+import pytest
 from lightning.pytorch.demos.boring_classes import BoringModel
 
+from copy_correct import _stale_temporaries
 from copy_correct._stale_temporaries import is_live, remove_stale_temporaries
 from copy_correct.lightning import LastCheckpoint, StaleTemporaries
 
@@ -49,6 +53,47 @@ def test_only_the_temporaries_of_dead_processes_are_removed(tmp_path: Path) -> N
     assert sorted(removed) == sorted([(files["checkpoint"], 500), (files["snapshot"], 500), (files["sharded"], 1000)])
     assert [name for name, path in files.items() if path.exists()] == ["live", "set aside"]
     assert remove_stale_temporaries(tmp_path / "missing") == []
+
+
+# A writer in another process: it writes 500 bytes of its .NAME.tmp-PID, says so, and holds the file open until its
+# stdin closes (a save in progress).
+WRITER = """
+import os, sys
+with open(os.path.join(sys.argv[1], f".last.ckpt.tmp-{os.getpid()}"), "wb") as file:
+    file.write(b"x" * 500)
+    file.flush()
+    print("written", flush=True)
+    sys.stdin.read()
+"""
+
+
+def start_writer(folder: Path) -> tuple[subprocess.Popen[str], Path]:
+    writer = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(folder)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert writer.stdout is not None and writer.stdout.readline() == "written\n"
+    return writer, folder / f".last.ckpt.tmp-{writer.pid}"
+
+
+def test_another_live_writers_temporary_is_kept_and_a_killed_ones_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    live, live_file = start_writer(tmp_path)
+    try:
+        killed, killed_file = start_writer(tmp_path)
+        killed.kill()  # SIGKILL mid-save, then reaped: its PID names no process
+        killed.communicate()
+        assert live.pid != os.getpid() and is_live(live.pid) and not is_live(killed.pid)
+        assert remove_stale_temporaries(tmp_path) == [(killed_file, 500)]
+        assert live_file.exists() and not killed_file.exists()
+
+        # The control: a liveness test that takes every process but this one for dead deletes the live writer's file.
+        monkeypatch.setattr(_stale_temporaries, "is_live", lambda pid: pid == os.getpid())
+        assert remove_stale_temporaries(tmp_path) == [(live_file, 500)]
+        assert not live_file.exists()
+    finally:
+        live.kill()
+        live.communicate()
 
 
 def fit(directory: Path, callbacks: list[pl.Callback], epochs: int, ckpt_path: Path | None = None) -> None:
