@@ -6,7 +6,8 @@ gathered into new host memory.
 A refusal names the field and both shapes or dtypes, and is raised before the buffer writes anything. Refused: what
 storing would change (a float into an integer field, a bool into a floating one, anything but a bool into a bool
 one, an integer array whose dtype the field cannot hold, a number out of range); the values a dtype lets through are
-``_replay_values``'s to look at (non-finite rewards, finite values beyond a floating field).
+``_replay_values``'s to look at (non-finite rewards, finite values beyond a floating field). ``NotCopied``: a buffer's
+``pickle``, ``copy.copy`` and ``copy.deepcopy`` refused in one line naming ``state_dict()`` (each buffer says why).
 
 Copy contract: nothing here keeps a buffer's storage or a caller's value. A refusal reads a value (a tensor on another
 device: on the host, a copy and a sync). ``taken`` gathers rows into new host memory (pinned for a CUDA batch:
@@ -26,8 +27,8 @@ from copy_correct._checks import integer, integral, shown
 from copy_correct._replay_values import may_overflow, value_refusal
 
 __all__ = [
-    "TORCH_OF", "DTypeLike", "Space", "check_num_envs", "check_sample", "check_settings", "flag_rows", "layout",
-    "refusal", "refuse_dtype", "shape_error", "taken", "unseen",
+    "TORCH_OF", "DTypeLike", "NotCopied", "Space", "check_num_envs", "check_sample", "check_settings", "flag_rows",
+    "layout", "refusal", "refuse_dtype", "shape_error", "taken", "unseen",
 ]  # fmt: skip
 
 # The dtypes a buffer stores, numpy's and torch's names for each.
@@ -70,6 +71,18 @@ class Space(Protocol):
 
 
 DTypeLike = torch.dtype | np.dtype | type | str
+
+
+class NotCopied:
+    """Mixed into a buffer: ``pickle``, ``copy.copy`` and ``copy.deepcopy`` raise one ``TypeError`` line naming the
+    class and the way that copies it, ``state_dict()`` loaded into a new one (``load_state_dict`` copies)."""
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        name = type(self).__name__
+        raise TypeError(
+            f"a {name} cannot be pickled or copied (pickle, copy.copy, copy.deepcopy): save its state_dict() and "
+            f"load_state_dict() it into a new {name}"
+        )
 
 
 def check_num_envs(num_envs: Any) -> None:

@@ -12,8 +12,7 @@ stream and, per transition, the newest frame of ``next_obs``, its action, reward
 gather each, padded before an episode's start as ``FrameStackObservation`` pads (``padding="reset"``: copies of the
 first frame; ``"zero"``). ``compress="zstd"`` or ``"lz4"``: each frame compressed once, by the next ``sample`` (or
 every 64th ``add``: ``_frame_store``), the batches bit for bit the same. Vector envs and autoreset modes as
-``ReplayBuffer``'s; what a row must be to be stored: ``_replay_frames``. Bytes and times against whole-stack buffers:
-docs/recipes/dqn.md, "Atari".
+``ReplayBuffer``'s; what a row must be to be stored: ``_replay_frames``; bytes and times: docs/recipes/dqn.md, "Atari".
 
 Copy contract (``ReplayBuffer``'s, on the host):
 
@@ -24,7 +23,8 @@ Copy contract (``ReplayBuffer``'s, on the host):
 * Shared: nothing with the caller, nor between a batch and the rings, so training code may change a batch in place.
   ``state_dict()`` shares the rings (not copied; compressed frames: their bytes copied) and every stream's position:
   a resumed run samples the transitions the uninterrupted one would; it loads with ``torch.load(...,
-  weights_only=True)``.
+  weights_only=True)``. ``pickle`` and ``copy`` are refused in one line naming ``state_dict()``: a copy's ``add``
+  wrote where its ``sample`` did not read (views split), and a compressed one's codec does not pickle.
 * What autograd sees: nothing. Tensors are read through ``detach()``, the rings are numpy memory, and a batch is new
   tensors. Everything is checked before anything is written, each refusal one line naming the field and env.
 """
@@ -45,6 +45,7 @@ from copy_correct._frame_codec import codec
 from copy_correct._frame_store import CompressedFrames
 from copy_correct._replay_fields import (
     TORCH_OF,
+    NotCopied,
     Space,
     check_num_envs,
     check_sample,
@@ -62,7 +63,7 @@ PADDINGS = ("reset", "zero")
 MAX_STACK = 32  # more frames than this in the first dimension: not a stack (channel-last, or one unstacked image)
 
 
-class FrameReplayBuffer:
+class FrameReplayBuffer(NotCopied):
     """Rings of frames, one per env stream, from which transitions of frame-stacked observations are rebuilt.
 
     Args:

@@ -17,7 +17,8 @@ Copy contract:
   ``sample`` gathers into new memory (pinned for a CUDA batch, copied without a wait: ``_host_batch``).
 * Shared: nothing with the caller (``add`` keeps none of its arrays; a batch shares nothing with the storage, so
   training code may change it in place). ``state_dict()`` shares the filled rows (not copied) and resumes the same
-  ring order and the same skipped rows; it loads with ``torch.load(..., weights_only=True)``.
+  ring order and the same skipped rows; it loads with ``torch.load(..., weights_only=True)``. Loaded into a new
+  buffer it is the copy: ``pickle`` and ``copy`` refuse in one line (a deep copy's ``add`` wrote the original's rows).
 * What autograd sees: no write (a tensor that requires grad is read through ``detach()``), so the buffer never holds
   a graph and no sample backpropagates into the network that acted; each ``add`` raises the six views' one version
   counter once, so a stored tensor saved for backward and then overwritten makes ``backward()`` raise. A refused
@@ -40,6 +41,7 @@ from copy_correct._checks import device as checked_device
 from copy_correct._checks import integral
 from copy_correct._replay_fields import (
     DTypeLike,
+    NotCopied,
     Space,
     check_num_envs,
     check_sample,
@@ -57,7 +59,7 @@ _OF_THE_LAST = frozenset({"next_obs", "terminated", "truncated"})  # an n-step w
 _TORCH_GATHER_BYTES = 512 * 1024  # a field's batch from this size on is gathered by torch (see sample)
 
 
-class ReplayBuffer:
+class ReplayBuffer(NotCopied):
     """Ring buffer of (obs, action, reward, next_obs, terminated, truncated), ``capacity`` rows of each.
 
     Args:
