@@ -2,11 +2,18 @@
 calls at the stated points of a twin buffer fed the same transitions, whatever the thread's timing (draws slowed at
 random); the controls, a wrapper whose ``add`` does not wait for the draw in flight and one that draws each batch at
 the call that returns it, give other batches. A draw's error reaches the caller; only the thread uses the generator;
-no thread outlives ``close()`` or the wrapper; a batch shares nothing with the buffer."""
+no thread outlives ``close()`` or the wrapper; a batch shares nothing with the buffer. Resumed from a checkpoint of its
+state (the batch in flight, the generator's) and its buffer's, a run draws the uninterrupted one's batches, bit for bit,
+plain, whole-stack or compressed (the control: a state without the batch in flight gives others); the saved batch and a
+load share nothing with where they came from (the control: no copies). Pickle and copies are refused in one line (the
+controls: the thread's parts do not pickle, a shallow copy shares the thread)."""
 
 from __future__ import annotations
 
+import copy
 import gc
+import io
+import pickle
 import threading
 import time
 import weakref
@@ -17,7 +24,9 @@ import numpy as np
 import pytest
 import torch
 
+import copy_correct.sample_ahead as sample_ahead
 from copy_correct import FrameReplayBuffer, ReplayBuffer, SampleAhead
+from copy_correct._replay_fields import NotCopied
 from tests.conftest import CUDA
 
 BATCH, EVERY, STEPS, FIRST = 16, 4, 160, 20  # a sample every 4 adds from add 20 on, as dqn_atari.py's cadence
@@ -295,3 +304,155 @@ def test_cuda_batches_are_the_synchronous_draws_and_the_loops_stream_sees_them_w
     expected = synchronous(frames)
     assert same([{k: v.cpu() for k, v in b.items()} for b in batches], expected)
     assert sums == [int(b["obs"].sum(dtype=torch.int64)) for b in expected]
+
+
+def compressed() -> FrameReplayBuffer:
+    pytest.importorskip("zstandard", reason='the compress extra: pip install "copy-correct[compress]"')
+    return FrameReplayBuffer(400, (4, 6, 6), compress="zstd")
+
+
+def saved(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` through ``torch.save`` and ``torch.load(weights_only=True)``, as a checkpoint takes it."""
+    file = io.BytesIO()
+    torch.save(state, file)
+    file.seek(0)
+    return torch.load(file, weights_only=True)
+
+
+def interrupted(make: Callable[[], Buffer], save_at: int, device: str | None) -> tuple[dict[str, Any], list[Any]]:
+    """Run A: the loop's cadence; after step ``save_at``'s add (and sample) the checkpoint, SampleAhead's state then
+    the buffer's; the batches A samples after it."""
+    buffer = slowed(make)
+    checkpoint, after = None, []
+    with SampleAhead(buffer, BATCH, generator=torch.Generator().manual_seed(7), device=device) as sampled:
+        for step, transition in enumerate(transitions(STEPS)):
+            sampled.add(*transition)
+            if step >= FIRST and step % EVERY == 0:
+                batch = sampled.sample()
+                if checkpoint is not None:
+                    after.append(batch)
+            if step == save_at:
+                checkpoint = saved({"ahead": sampled.state_dict(), "buffer": buffer.state_dict()})
+    assert checkpoint is not None
+    return checkpoint, after
+
+
+def resumed(make: Callable[[], Buffer], checkpoint: dict[str, Any], save_at: int, device: str | None) -> list[Any]:
+    """Run B: a fresh buffer and SampleAhead loaded from ``checkpoint``, then the steps after ``save_at``."""
+    buffer, batches = slowed(make), []
+    buffer.load_state_dict(checkpoint["buffer"])
+    with SampleAhead(buffer, BATCH, generator=torch.Generator(), device=device) as sampled:
+        sampled.load_state_dict(checkpoint["ahead"])
+        for step, transition in enumerate(transitions(STEPS)):
+            if step <= save_at:
+                continue
+            sampled.add(*transition)  # the first: an add between the save and the resume's first sample
+            if step >= FIRST and step % EVERY == 0:
+                batches.append(sampled.sample())
+    return batches
+
+
+RESUMED = pytest.mark.parametrize("make", [frames, stacks, compressed], ids=["frames", "stacks", "zstd"])
+SAVE_AT = [10, 100, 102]  # before the first sample; right after a sample; after two adds since it
+
+
+@RESUMED
+@pytest.mark.parametrize("device", [None, "cpu"])
+@pytest.mark.parametrize("save_at", SAVE_AT)
+def test_a_resumed_run_draws_the_batches_of_the_uninterrupted_one_and_the_control_without_the_batch_in_flight_does_not(
+    make: Any, device: str | None, save_at: int
+) -> None:
+    checkpoint, expected = interrupted(make, save_at, device)
+    assert (checkpoint["ahead"]["batch"] is None) == (save_at < FIRST)
+    assert len(expected) > 10 and same(resumed(make, checkpoint, save_at, device), expected)
+    if save_at >= FIRST:  # the control: the buffer and the generator saved, not the batch in flight (as before)
+        checkpoint["ahead"]["batch"] = None
+        assert not same(resumed(make, checkpoint, save_at, device), expected)
+
+
+def test_the_saved_batch_is_a_copy_of_the_batch_in_flight_and_a_load_shares_nothing_with_its_state(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The loop may change the handed-over batch in place after a save, and a state may be changed after a load: neither
+    reaches the other. The control: states that hold the batches themselves (no copy) see those changes."""
+    for copied in (True, False):
+        if not copied:
+            monkeypatch.setattr(sample_ahead, "map_tensors", lambda fn, batch: batch)
+        with ahead(frames) as sampled, SampleAhead(frames(), BATCH, generator=torch.Generator()) as other:
+            for transition in transitions(40):
+                sampled.add(*transition)
+            sampled.sample()
+            state = sampled.state_dict()
+            kept = state["batch"]["obs"].clone()
+            sampled.sample()["obs"].zero_()  # the batch in flight at the save, handed over and changed
+            assert torch.equal(state["batch"]["obs"], kept) == copied
+            state["batch"]["obs"].copy_(kept)
+            sampled.wait()
+            other.buffer.load_state_dict(sampled.buffer.state_dict())
+            other.load_state_dict(state)
+            state["batch"]["obs"].zero_()
+            assert torch.equal(other.sample()["obs"], kept) == copied
+
+
+def test_a_state_of_another_batch_size_or_not_a_state_is_refused_in_one_line_and_nothing_changes() -> None:
+    with ahead(frames) as sampled, SampleAhead(frames(), 2 * BATCH, generator=torch.Generator()) as other:
+        for transition in transitions(40):
+            sampled.add(*transition)
+        sampled.sample()
+        state = sampled.state_dict()
+        before = other.generator.get_state()
+        with pytest.raises(
+            ValueError, match=rf"^saved SampleAhead drew batches of {BATCH}, this one draws {2 * BATCH}$"
+        ):
+            other.load_state_dict(state)
+        with pytest.raises(ValueError, match=r"^not a SampleAhead state: it lacks generator, batch \(state_dict\(\)"):
+            other.load_state_dict({"batch_size": 2 * BATCH})
+        assert torch.equal(other.generator.get_state(), before) and other._pending is None
+
+
+def test_a_failed_draw_in_flight_is_raised_by_state_dict_and_again_by_the_sample_it_was_for() -> None:
+    buffer = Failing(400, (4, 6, 6))
+    with SampleAhead(buffer, BATCH, generator=torch.Generator().manual_seed(3)) as sampled:
+        for transition in transitions(30):
+            sampled.add(*transition)
+        sampled.sample()
+        sampled.sample()  # the draw in flight, the third, fails
+        with pytest.raises(ArithmeticError, match="third draw"):
+            sampled.state_dict()
+        with pytest.raises(ArithmeticError, match="third draw"):
+            sampled.sample()
+        assert sampled.state_dict()["batch"] is None  # the next call draws anew, as the first: so does a resume
+
+
+@pytest.mark.parametrize("duplicate", [pickle.dumps, copy.deepcopy], ids=["pickle", "deepcopy"])
+def test_pickle_and_deepcopy_are_refused_in_one_line_naming_state_dict_and_the_control_fails_on_the_thread(
+    duplicate: Callable[[Any], Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with SampleAhead(frames(), BATCH, generator=torch.Generator()) as sampled:
+        with pytest.raises(TypeError, match=r"^a SampleAhead cannot be pickled or copied \(.*state_dict\(\)[^\n]*$"):
+            duplicate(sampled)
+        monkeypatch.delattr(SampleAhead, "__reduce_ex__")  # the control: without the refusals, the thread's parts
+        monkeypatch.delattr(NotCopied, "__reduce_ex__")  # (the buffer's comes first)
+        with pytest.raises(TypeError, match=r"^cannot pickle '(_queue\.SimpleQueue|_thread\.\w+)' object$"):
+            duplicate(sampled)
+
+
+def test_a_shallow_copy_is_refused_too_and_the_control_shares_the_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shallow copy would draw on the same thread, its ``add`` waiting only for its own draws."""
+    with ahead(frames) as sampled:
+        with pytest.raises(TypeError, match=r"^a SampleAhead cannot be pickled or copied "):
+            copy.copy(sampled)
+        monkeypatch.delattr(SampleAhead, "__reduce_ex__")
+        assert copy.copy(sampled)._pool is sampled._pool
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("save_at", SAVE_AT[1:])
+def test_a_resumed_cuda_run_draws_the_batches_of_the_uninterrupted_one(save_at: int) -> None:
+    checkpoint, expected = interrupted(frames, save_at, "cuda")
+    assert all(t.device.type == "cuda" for t in checkpoint["ahead"]["batch"].values())
+    got = resumed(frames, checkpoint, save_at, "cuda")
+    assert all(b[k].device.type == "cuda" for b in got for k in b)
+    on_host = [[{k: v.cpu() for k, v in b.items()} for b in run] for run in (got, expected)]
+    assert same(*on_host)
