@@ -4,9 +4,13 @@
 
 ``posthoc`` writes checkpoints of post-hoc EMA weights that ``MyModule.load_from_checkpoint(path)`` reads
 (``copy_correct.posthoc_command`` says how). ``main`` returns the exit status: 0, each written path printed on its
-own line; 2, with one line on stderr (``copy-correct posthoc: error: ...``), for bad arguments, nothing to synthesize
-from, or a file refused (damaged, cut short, not a checkpoint, or one whose pickle would run code: nothing in it
-runs); 1, with one line, for a file that cannot be read or written (a full disk: ``DiskFull``). No traceback.
+own line, once however often its width is given; 2, with one line on stderr (``copy-correct posthoc: error: ...``),
+for bad arguments (a ``--step`` past the last snapshot or before the first among them, naming both steps), nothing to
+synthesize from, a path given that does not exist (``MissingFile``, also a ``FileNotFoundError``: a file named on the
+command line that is not there is an argument to fix, as a missing RUN_DIR is), or a file refused (damaged, cut short,
+not a checkpoint, or one whose pickle would run code: nothing in it runs); 1, with one line, for a file that exists
+but cannot be read or written (a full disk: ``DiskFull``). No traceback. ``--help`` prints plain text, with none of
+the docstrings' markup.
 """
 
 from __future__ import annotations
@@ -49,15 +53,35 @@ def _step(text: str) -> int:
 
 def parser() -> argparse.ArgumentParser:
     """The command line: one subparser per subcommand."""
-    top = _OneLineParser(prog="copy-correct", description=__doc__.split("\n\n")[0])
+    top = _OneLineParser(prog="copy-correct", description=_plain(__doc__.split("\n\n")[0]))
     commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_OneLineParser)
-    post = commands.add_parser(
-        "posthoc", help="write checkpoints of post-hoc EMA weights from a run's PostHocEMASnapshots snapshots"
+    what = "write checkpoints of post-hoc EMA weights from a run's PostHocEMASnapshots snapshots"
+    post = commands.add_parser("posthoc", help=what, description=f"{what[0].upper()}{what[1:]}.")
+    post.add_argument(
+        "run_dir",
+        type=Path,
+        help="the run's directory (the folder holding checkpoints/: a plain Lightning Trainer's "
+        "lightning_logs/version_N), or its folder of snapshots (power_ema/)",
     )
-    post.add_argument("run_dir", type=Path, help="the run's directory, or its folder of snapshots (power_ema/)")
-    post.add_argument("--sigma-rel", type=_sigma_rel, nargs="+", required=True, help="the EMA widths, in (0, 0.2887)")
-    post.add_argument("--step", type=_step, default=None, help="the optimizer step (default: the last snapshot's)")
-    post.add_argument("--checkpoint", type=Path, default=None, help="the checkpoint to take the rest from")
+    post.add_argument(
+        "--sigma-rel",
+        type=_sigma_rel,
+        nargs="+",
+        required=True,
+        help="the EMA widths, in (0, 0.2887); a width given twice is written once",
+    )
+    post.add_argument(
+        "--step",
+        type=_step,
+        default=None,
+        help="the optimizer step, from the first snapshot's to the last's (default: the last snapshot's)",
+    )
+    post.add_argument(
+        "--checkpoint",
+        type=Path,
+        default=None,
+        help="the checkpoint to take the rest from (default: the newest *.ckpt beside the snapshots)",
+    )
     return top
 
 
@@ -67,13 +91,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for path in posthoc(args.run_dir, args.sigma_rel, args.step, args.checkpoint):
             print(path)
-    except ValueError as error:  # bad input: DamagedFile and UnsafeFile among them
+    except ValueError as error:  # bad input: DamagedFile, MissingFile and UnsafeFile among them
         print(f"copy-correct {args.command}: error: {_one_line(error)}", file=sys.stderr)
         return 2
     except OSError as error:  # a file that cannot be read or written: DiskFull among them
         print(f"copy-correct {args.command}: error: {_one_line(error)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _plain(text: str) -> str:
+    """A docstring's text as a terminal shows it: without its ``double backticks``."""
+    return text.replace("``", "")
 
 
 def _one_line(error: BaseException) -> str:

@@ -5,11 +5,13 @@ snapshots, that ``MyModule.load_from_checkpoint(path)`` reads (``copy_correct.cl
     copy-correct posthoc RUN_DIR --sigma-rel 0.05 0.08 0.12 --step 4000
 
 RUN_DIR is the run's directory, its folder of snapshots (``power_ema/``) or any directory above it
-(``copy_correct.posthoc_ema.snapshot_folder``). For each ``--sigma-rel`` the weights are the power-function EMA of that
-width at ``--step`` (default: the last snapshot's), combined from the snapshots up to it (``copy_correct.synthesize``);
-the rest of the checkpoint (hyperparameters, versions, a module's other weights where the snapshots are of one
-submodule) comes from ``--checkpoint`` (default: the newest ``*.ckpt`` beside the snapshots). Each is written
-atomically beside it as ``posthoc-ema-sigma0.080-step000004000.ckpt`` and its path printed.
+(``copy_correct.posthoc_ema.snapshot_folder``). For each ``--sigma-rel`` (a width given twice is written once; two
+that would share a file name are refused) the weights are the power-function EMA of that width at ``--step`` (default:
+the last snapshot's; from the first snapshot's to the last's: ``copy_correct.posthoc_ema.target_step``), combined from
+the snapshots up to it (``copy_correct.synthesize``); the rest of the checkpoint (hyperparameters, versions, a module's
+other weights where the snapshots are of one submodule) comes from ``--checkpoint`` (default: the newest ``*.ckpt``
+beside the snapshots). Each is written atomically beside it as ``posthoc-ema-sigma0.080-step000004000.ckpt`` and its
+path printed.
 
 Copy contract: the files read are only read, checked against the digests written with them and loaded with
 ``weights_only=True`` (``copy_correct.checked_load``; ``read_checkpoint`` for a directory), so nothing in them runs and
@@ -18,9 +20,9 @@ tensors with no graph, the ``state_dict`` of a new checkpoint dict beside the ch
 weights its own tensors, not copied). A sharded run's snapshots are combined rank by
 rank into its shards (no gather: the combination is linear), then joined into full tensors as their layout says
 (``Shard(dim=0)`` over W ranks: concatenated in rank order); a distributed checkpoint is read whole in this one
-process. The output is one file of full weights either way. Nothing to synthesize from, or a missing snapshot of the
-history up to the step (``copy_correct.snapshot_history``), is a ``ValueError`` naming the path or the file (the
-command: exit status 2, one line).
+process. The output is one file of full weights either way. Nothing to synthesize from, a step out of the snapshots'
+range, or a missing snapshot of the history up to the step (``copy_correct.snapshot_history``), is a ``ValueError``
+naming the path, the steps or the file, raised before anything is written (the command: exit status 2, one line).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from copy_correct._atomic_save import atomic_save
 from copy_correct._file_digest import torch_crc32
 from copy_correct._shard_digest import verify_directory
 from copy_correct.checked_load import hyperparameter_classes, load_checked
-from copy_correct.posthoc_ema import load_snapshot, snapshot_folder, snapshot_paths, synthesize
+from copy_correct.posthoc_ema import load_snapshot, snapshot_folder, snapshot_paths, synthesize, target_step
 from copy_correct.snapshot_history import check_snapshot_history
 
 __all__ = ["join_shards", "posthoc", "rank_paths", "read_checkpoint"]
@@ -161,14 +163,24 @@ def posthoc(
     step: int | None = None,
     checkpoint: str | os.PathLike[str] | None = None,
 ) -> list[Path]:
-    """Write one checkpoint per ``sigma_rels`` entry (module docstring); their paths, in that order."""
+    """Write one checkpoint per width of ``sigma_rels``, each once (module docstring); their paths, in the order the
+    widths are first given."""
+    widths = list(dict.fromkeys(sigma_rels))  # a width given twice is one file, written once
+    names: dict[str, float] = {}
+    for sigma_rel in widths:
+        other = names.setdefault(f"{sigma_rel:.3f}", sigma_rel)
+        if other != sigma_rel:
+            raise ValueError(
+                f"sigma_rel {other} and {sigma_rel} would both be written as posthoc-ema-sigma{sigma_rel:.3f}-...: "
+                "give widths that differ in the first 3 decimals"
+            )
     snapshots = snapshot_folder(run_dir)
     ranks = rank_paths(snapshots)
     # Each file read once: checked against its digests and memory-mapped (only the metadata is read here).
     files = ranks if ranks is not None else [snapshot_paths(snapshots)]
     loaded = [[load_snapshot(p) for p in paths] for paths in files]
     states = loaded[0]
-    step = step if step is not None else max(int(s["step"]) for s in states)
+    step = target_step((int(s["step"]) for s in states), step)  # the run's range: before the checkpoint is read
     # A history with a snapshot missing (a resumed run's directory without the earlier ones) would still solve.
     opened = dict(zip(itertools.chain(*files), itertools.chain(*loaded), strict=True))
     check_snapshot_history(snapshots, step, states=opened)
@@ -179,7 +191,7 @@ def posthoc(
     source = Path(checkpoint) if checkpoint is not None else base_checkpoint(snapshots.parent)
     base = read_checkpoint(source)
     written = []
-    for sigma_rel in sigma_rels:
+    for sigma_rel in widths:
         weights = weights_at(loaded, sigma_rel, step, sharded=ranks is not None)
         path = source.parent / f"posthoc-ema-sigma{sigma_rel:.3f}-step{step:09d}.ckpt"
         meta = {"sigma_rel": sigma_rel, "step": step, "snapshots": str(snapshots), "module": module}

@@ -18,8 +18,11 @@ Copy contract:
 
 The coefficients (``synthesis_coefficients``; the maths is ``copy_correct.power_function.solve_coefficients``) are
 float64 least squares on the profiles' closed-form inner products, normalised to sum to 1, snapshots after the target
-step left out: between two snapshots the result is the best fit from those before it. ``snapshot_folder`` finds a
-run's one folder of snapshots (``power_ema/``); a bad argument raises one line naming it before any file is read.
+step left out. The step (``target_step``) lies between the first snapshot's and the last's: at a snapshot's step the
+fit is exact, between two it is the best fit from those before it (the steps since the earlier one are in no file);
+before the first or past the last (a step the run may never have reached) is a one-line ``ValueError`` naming both
+steps. ``snapshot_folder`` finds a run's one folder of snapshots (``power_ema/``); a bad argument raises one line
+naming it before any file is read.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ __all__ = [
     "snapshot_paths",
     "synthesis_coefficients",
     "synthesize",
+    "target_step",
 ]
 
 Snapshot = str | os.PathLike | Mapping[str, Any]  # a snapshot file's path, or a snapshot state (PowerEMA.snapshot())
@@ -89,7 +93,8 @@ def synthesis_coefficients(
 ) -> list[tuple[int, float, Mapping[str, torch.Tensor], float]]:
     """``(step, sigma_rel, profile, coefficient)`` for each profile stored in the snapshots' states (``snapshot()``'s
     or ``load_snapshot``'s), the coefficients those of the profile ``sigma_rel`` at ``step`` (default: the latest
-    snapshot's): ``copy_correct.power_function.solve_coefficients``'s, 0 for snapshots after ``step``."""
+    snapshot's): ``copy_correct.power_function.solve_coefficients``'s, 0 for snapshots after ``step``; a
+    ``ValueError`` for a step before the first snapshot or past the last (``target_step``)."""
     profiles = [
         (int(state["step"]), float(sigma), profile)
         for state in snapshots
@@ -98,9 +103,29 @@ def synthesis_coefficients(
     if not profiles:
         raise ValueError("no snapshot to reconstruct from")
     meta = [(t, sigma) for t, sigma, _ in profiles]
-    target = max(t for t, _ in meta) if step is None else step
-    coefficients = solve_coefficients(meta, target, sigma_rel)
+    coefficients = solve_coefficients(meta, target_step([t for t, _ in meta], step), sigma_rel)
     return [(t, sigma, profile, float(c)) for (t, sigma, profile), c in zip(profiles, coefficients, strict=True)]
+
+
+def target_step(steps: Iterable[int], step: int | None = None) -> int:
+    """The step to synthesize at from snapshots of ``steps``: ``step``, or the last snapshot's when ``None``. A
+    ``ValueError`` naming both steps for one before the first snapshot or past the last (module docstring)."""
+    steps = sorted(steps)
+    if not steps:
+        raise ValueError("no snapshot to reconstruct from")
+    if step is None:
+        return steps[-1]
+    if step > steps[-1]:
+        raise ValueError(
+            f"step {step} is past the last snapshot, of step {steps[-1]}: no snapshot holds the steps after it (give "
+            f"a step up to {steps[-1]})"
+        )
+    if step < steps[0]:
+        raise ValueError(
+            f"step {step} is before the first snapshot, of step {steps[0]}: no snapshot holds the steps up to it "
+            f"(give a step from {steps[0]} to {steps[-1]})"
+        )
+    return step
 
 
 def synthesize(
@@ -109,7 +134,8 @@ def synthesize(
     """The power-function EMA of ``sigma_rel`` at optimizer step ``step`` (default: the latest snapshot's), as a
     ``state_dict`` of new CPU tensors, from snapshots: a run's directory or its folder of snapshots
     (``snapshot_folder``), or a list of paths and snapshot states (``PowerEMA.snapshot()``). Snapshots after ``step``
-    are not used. ``TypeError``/``ValueError`` naming the argument for bad arguments (module docstring)."""
+    are not used; a step before the first snapshot or past the last is refused (``target_step``).
+    ``TypeError``/``ValueError`` naming the argument for bad arguments (module docstring)."""
     _check_arguments(snapshots, sigma_rel, step)
     if isinstance(snapshots, (str, os.PathLike)):
         directory = snapshot_folder(snapshots)

@@ -19,7 +19,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from copy_correct import synthesize
+from copy_correct import cli, posthoc_command, synthesize
 from copy_correct.cli import main
 from copy_correct.posthoc_ema import SNAPSHOT_PATTERNS, load_snapshot, snapshot_paths
 from tests.conftest import env_without_checkout
@@ -185,3 +185,92 @@ def test_a_history_with_a_snapshot_missing_is_refused_naming_it(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "the snapshot of step 4, which power-ema-000000006.pt follows, is missing" in err
     assert not list((tmp_path / "run" / "checkpoints").glob("posthoc-ema-*.ckpt"))  # nothing written
+
+
+def small_run(tmp_path: Path, steps: list[int]) -> Path:
+    """A run's directory as ``PostHocEMASnapshots`` and ``ModelCheckpoint`` leave it: snapshots of a linear layer at
+    ``steps`` in ``checkpoints/power_ema/``, and ``checkpoints/last.ckpt`` of that layer."""
+    write_history(tmp_path / "run" / "checkpoints" / "power_ema", steps, links=True)
+    checkpoint = {"state_dict": torch.nn.Linear(3, 2).state_dict(), "hyper_parameters": {}, "epoch": 0}
+    torch.save(checkpoint, tmp_path / "run" / "checkpoints" / "last.ckpt")
+    return tmp_path / "run"
+
+
+def written(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").glob("posthoc-ema-*.ckpt"))
+
+
+def test_a_step_out_of_the_snapshots_range_is_refused_naming_both_steps_and_nothing_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Snapshots at steps 50 to 200: ``--step 999`` and ``--step 10`` stop with status 2 and one line; a step between
+    two snapshots is written (the best fit from those before it)."""
+    run_dir = small_run(tmp_path, [50, 100, 150, 200])
+    refusals = {
+        "999": "step 999 is past the last snapshot, of step 200: no snapshot holds the steps after it (give a step up "
+        "to 200)",
+        "10": "step 10 is before the first snapshot, of step 50: no snapshot holds the steps up to it (give a step "
+        "from 50 to 200)",
+    }
+    for step, message in refusals.items():
+        assert main(["posthoc", str(run_dir), "--sigma-rel", "0.1", "--step", step]) == 2
+        assert capsys.readouterr().err == f"copy-correct posthoc: error: {message}\n"
+        assert written(run_dir) == []
+    assert main(["posthoc", str(run_dir), "--sigma-rel", "0.1", "--step", "120"]) == 0
+    assert written(run_dir) == ["posthoc-ema-sigma0.100-step000000120.ckpt"]
+
+    # The control: without the range check, --step 999 wrote a checkpoint saying step 999 from snapshots up to 200.
+    monkeypatch.setattr("copy_correct.posthoc_command.target_step", lambda steps, step: step)
+    monkeypatch.setattr("copy_correct.posthoc_ema.target_step", lambda steps, step: step or max(steps))
+    assert main(["posthoc", str(run_dir), "--sigma-rel", "0.1", "--step", "999"]) == 0
+    path = run_dir / "checkpoints" / "posthoc-ema-sigma0.100-step000000999.ckpt"
+    assert torch.load(path, weights_only=True)["global_step"] == 999  # the last snapshot is of step 200
+
+
+def test_a_width_given_twice_is_written_and_printed_once_and_two_of_one_file_name_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_dir = small_run(tmp_path, [2, 4])
+    saves: list[Path] = []
+    save = posthoc_command.atomic_save
+    monkeypatch.setattr(posthoc_command, "atomic_save", lambda state, path: saves.append(path) or save(state, path))
+    assert main(["posthoc", str(run_dir), "--sigma-rel", "0.1", "0.08", "0.10"]) == 0
+    names = ["posthoc-ema-sigma0.100-step000000004.ckpt", "posthoc-ema-sigma0.080-step000000004.ckpt"]
+    assert [Path(line).name for line in capsys.readouterr().out.splitlines()] == names  # in the order given
+    assert [p.name for p in saves] == names
+
+    assert main(["posthoc", str(run_dir), "--sigma-rel", "0.08", "0.0801"]) == 2  # would share a file name
+    assert capsys.readouterr().err == (
+        "copy-correct posthoc: error: sigma_rel 0.08 and 0.0801 would both be written as "
+        "posthoc-ema-sigma0.080-...: give widths that differ in the first 3 decimals\n"
+    )
+    assert len(saves) == 2  # nothing more written
+
+    # The control: a loop over the widths as given writes 0.1's file twice (and prints it twice).
+    saves.clear()
+    for sigma_rel in (0.1, 0.08, 0.1):
+        posthoc_command.posthoc(run_dir, [sigma_rel])
+    assert [p.name for p in saves] == [names[0], names[1], names[0]]
+
+
+def test_help_is_plain_text_where_the_docstrings_have_markup(capsys: pytest.CaptureFixture[str]) -> None:
+    shown = {}
+    for arguments in (("--help",), ("posthoc", "--help")):
+        with pytest.raises(SystemExit) as stopped:
+            main(list(arguments))
+        shown[arguments] = " ".join(capsys.readouterr().out.split())
+        assert stopped.value.code == 0 and "``" not in shown[arguments], shown[arguments]
+    assert "The copy-correct command (installed with the package; also python -m copy_correct)" in shown[("--help",)]
+    assert "a width given twice is written once" in shown[("posthoc", "--help")]
+    assert "from the first snapshot's to the last's" in shown[("posthoc", "--help")]
+    assert "``" in cli.__doc__.split("\n\n")[0]  # the control: the text --help shows, as the docstring has it
+
+
+def test_a_checkpoint_that_does_not_exist_stops_with_status_2_and_one_line_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = small_run(tmp_path, [2, 4])
+    missing = tmp_path / "elsewhere" / "epoch=3-step=20.ckpt"
+    assert main(["posthoc", str(run_dir), "--sigma-rel", "0.1", "--checkpoint", str(missing)]) == 2
+    assert capsys.readouterr().err == f"copy-correct posthoc: error: {missing} does not exist\n"
+    assert written(run_dir) == []

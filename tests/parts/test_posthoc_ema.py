@@ -6,6 +6,7 @@ resume, atomic snapshots and clear errors. Each test has a control that shows th
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from copy_correct import PowerEMA, synthesis_coefficients, synthesize
-from copy_correct.posthoc_ema import SNAPSHOT_PATTERNS, load_snapshot, snapshot_paths
+from copy_correct.posthoc_ema import SNAPSHOT_PATTERNS, load_snapshot, snapshot_paths, target_step
 from copy_correct.power_function import (
     gamma_to_sigma_rel,
     impulse_response,
@@ -191,6 +192,11 @@ def implied_response(meta: list[tuple[int, float]], coefficients: np.ndarray, st
     return total
 
 
+def zeroed(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A snapshot state of the same steps and widths whose profiles hold zeros."""
+    return {**state, "profiles": [{k: torch.zeros_like(v) for k, v in p.items()} for p in state["profiles"]]}
+
+
 def test_snapshots_after_the_target_step_get_coefficient_zero(tmp_path: Path) -> None:
     """EDM2 reconstructs at a snapshot's step, where the exact least squares gives later snapshots 0 anyway; between
     two snapshots (step 210 here) a later one holds weights of steps after the target, which must not leak in."""
@@ -209,13 +215,44 @@ def test_snapshots_after_the_target_step_get_coefficient_zero(tmp_path: Path) ->
     assert not coefficients[later].any()
     assert not implied_response(meta, coefficients, 400)[210:].any()  # nothing of the steps after 210
     synthesized = synthesize(tmp_path, 0.08, step=210)
-    earlier = synthesize([p for p in snapshot_paths(tmp_path) if int(p.stem.split("-")[-1]) <= 210], 0.08, step=210)
+    later_zeroed = [zeroed(s) if s["step"] > 210 else s for s in map(load_snapshot, snapshot_paths(tmp_path))]
+    earlier = synthesize(later_zeroed, 0.08, step=210)  # the later snapshots' tensors are not read
     assert all(torch.equal(synthesized[k], earlier[k]) for k in earlier)
     assert max_error(synthesize(tmp_path, 0.08, step=200), expected) < 2e-3 * max_error(ema.profiles[1], expected)
 
     everything = unnormalised(meta, 210, 0.08)  # the control: later snapshots in the least squares, as ema-pytorch
     assert np.abs(everything[later]).max() > 1e-2
     assert np.abs(implied_response(meta, everything, 400)[210:]).sum() > 1e-2  # weights of steps after 210
+
+
+def test_a_step_past_the_last_snapshot_or_before_the_first_is_refused_naming_both_steps(tmp_path: Path) -> None:
+    """A post-hoc EMA at a step past the last snapshot would hold none of the steps after it (the run may never have
+    reached the step); before the first, there is nothing to combine. Between two snapshots is the best fit from those
+    before it (``test_snapshots_after_the_target_step_get_coefficient_zero``)."""
+    model = net()
+    ema = PowerEMA(model, SIGMAS, snapshot_every=50, snapshot_dir=tmp_path)
+    for step in range(1, 201):
+        walk(model, step)
+        ema.update()
+    states = [load_snapshot(p) for p in snapshot_paths(tmp_path)]  # steps 50, 100, 150, 200
+    past = "step 100000 is past the last snapshot, of step 200: no snapshot holds the steps after it"
+    past += " (give a step up to 200)"
+    before = "step 10 is before the first snapshot, of step 50: no snapshot holds the steps up to it"
+    before += " (give a step from 50 to 200)"
+    for call in (lambda s: synthesize(tmp_path, 0.08, step=s), lambda s: synthesis_coefficients(states, 0.08, s)):
+        for step, message in ((100_000, past), (10, before)):
+            with pytest.raises(ValueError) as raised:
+                call(step)
+            assert str(raised.value) == message
+    assert target_step([50, 100, 150, 200]) == 200 and target_step([50, 200], 120) == 120  # the range, both ends in
+    assert target_step([50, 200], 50) == 50 and target_step([50, 200], 200) == 200
+
+    # The control: the maths alone solves for step 100000 from profiles of steps up to 200, so the old synthesize
+    # returned an average labelled 100000 that holds only the first 200 steps, where that profile holds almost none.
+    meta = [(t, s) for t in (50, 100, 150, 200) for s in SIGMAS]
+    coefficients = solve_coefficients(meta, 100_000, 0.08)
+    assert implied_response(meta, coefficients, 200).sum() == pytest.approx(1.0)  # all of it on steps 1..200
+    assert impulse_response(100_000, 0.08)[:200].sum() < 1e-3  # the profile at step 100000: almost none there
 
 
 def test_no_usable_snapshot_and_bad_sigma_rel_are_clear_errors(tmp_path: Path) -> None:
