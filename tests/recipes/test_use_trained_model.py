@@ -1,10 +1,12 @@
 """Using a trained model: each recipe page's "Use the trained model" block, run exactly as the page shows it against
 a checkpoint a short run made, and the class names and input format a classifier's checkpoint keeps
-(``load_image`` itself: ``test_inference.py``)."""
+(``load_image`` itself: ``test_inference.py``); the gan page's post-hoc blocks, after its command, against the same
+run's snapshots."""
 
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,9 @@ import pytest
 import torch
 from PIL import Image
 
+from copy_correct import synthesize
+from copy_correct.checked_load import hyperparameter_classes, load_checked
+from copy_correct.cli import main
 from recipes.build import build, ignore_expected_warnings
 from recipes.ema import NoisyClassifier
 from recipes.inference import classify
@@ -20,7 +25,15 @@ from tests.conftest import ON_CPU, QUIET, compose_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SECTION = "\n## Use the trained model\n"
+POSTHOC = "\n## Post-hoc EMA: choose the average after training\n"
 CLASSES = {"cat": 40, "dog": 200}  # the page's folder: dark cats, light dogs (the pixels' mean), 24 of each
+
+
+def section_blocks(recipe: str, heading: str) -> list[str]:
+    """The Python blocks of ``docs/recipes/RECIPE.md``'s section ``heading``, as the page shows them."""
+    text = (ROOT / "docs" / "recipes" / f"{recipe}.md").read_text()
+    assert text.count(heading) == 1, f"{recipe}.md needs one section {heading.strip()!r}"
+    return re.findall(r"```python\n(.*?)```", text.split(heading)[1].split("\n## ")[0], re.DOTALL)
 
 
 def page_block(recipe: str) -> str:
@@ -122,12 +135,20 @@ def test_the_pinned_page_names_the_digit_in_a_file(
     assert printed.splitlines() == ["0"]
 
 
-def test_the_gan_page_samples_a_grid_from_the_ema_generator(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
-) -> None:
-    train("gan", tmp_path, "model.judge_epochs=1", "model.eval_samples=100", "trainer.max_epochs=1",
+@pytest.fixture(scope="module")
+def gan_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A short ``gan`` run (its generator's post-hoc snapshots on, as by default) in ``outputs/gan/run``."""
+    cwd = tmp_path_factory.mktemp("gan_use")
+    train("gan", cwd, "model.judge_epochs=1", "model.eval_samples=100", "trainer.max_epochs=1",
           "trainer.check_val_every_n_epoch=1", "trainer.limit_train_batches=4",
           "trainer.log_every_n_steps=1")  # fmt: skip
+    return cwd
+
+
+def test_the_gan_page_samples_a_grid_from_the_ema_generator(
+    gan_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    shutil.copytree(gan_run, tmp_path, dirs_exist_ok=True)
     _, names = run_page_block("gan", tmp_path, monkeypatch, capsys)
     with Image.open(tmp_path / "my_samples.png") as grid:
         assert grid.mode == "L" and grid.size == (400, 400)  # 8x8 digits, 8 to a row, a pixel around each, scaled x5
@@ -135,6 +156,30 @@ def test_the_gan_page_samples_a_grid_from_the_ema_generator(
     average = callbacks["EMAWeights{'decay': 0.999, 'module': 'generator'}"]["ema"]["shadow"]  # the GAN's names
     sampled = names["model"].state_dict()
     assert all(torch.equal(sampled[name], value) for name, value in average.items())  # the EMA generator's samples
+
+
+def test_the_gan_pages_posthoc_blocks_load_the_synthesized_generator(
+    gan_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """After the page's command, each block of the post-hoc section loads a GAN whose generator is ``synthesize``'s
+    average of the run's snapshots and whose other weights are the run's last checkpoint's. The control: that
+    checkpoint's own generator is not the average."""
+    shutil.copytree(gan_run, tmp_path, dirs_exist_ok=True)
+    run = tmp_path / "outputs" / "gan" / "run"
+    assert main(["posthoc", str(run), "--sigma-rel", "0.08"]) == 0  # the page's command, at the last snapshot
+    capsys.readouterr()
+    average = synthesize(run, sigma_rel=0.08)
+    last = load_checked(run / "checkpoints" / "last.ckpt", allow=hyperparameter_classes())["state_dict"]
+    blocks = section_blocks("gan", POSTHOC)
+    assert len(blocks) == 2
+    monkeypatch.chdir(tmp_path)
+    for block in blocks:
+        names: dict[str, Any] = {"__name__": "__main__"}
+        exec(compile(block, "docs/recipes/gan.md", "exec"), names)
+        loaded = names["gan"].state_dict()
+        assert average and all(torch.equal(loaded[name], value) for name, value in average.items())
+        assert all(torch.equal(loaded[name], value) for name, value in last.items() if name not in average)
+    assert not all(torch.equal(last[name], value) for name, value in average.items())
 
 
 def test_the_dqn_page_plays_a_greedy_episode(
