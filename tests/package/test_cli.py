@@ -6,7 +6,9 @@ from, and ``Module.load_from_checkpoint`` reads the checkpoint it writes as the 
 lines of Python the callback's docstring gives). ``python -m copy_correct`` is the same command;
 ``python -m copy_correct.posthoc_ema``, a library module, says which command to run and fails; a folder with no
 snapshots and bad arguments stop with status 2 and one line naming the path searched and the file patterns, and a
-history with a snapshot missing stops the same way, naming it."""
+history with a snapshot missing stops the same way, naming it; so do a ``--step`` past the last snapshot or before the
+first (naming both steps), two widths of one file name and a ``--checkpoint`` that does not exist. A width given twice
+is written and printed once, and ``--help`` shows none of the docstrings' markup."""
 
 from __future__ import annotations
 
