@@ -7,10 +7,11 @@ sees the old file or the new one under the target's name, never a part of one. A
 temporary file and leaves the target as it was; a SIGKILL leaves the hidden temporary file behind, which nothing
 reads. The directory is ``fsync``-ed after the rename so that the rename survives a power loss.
 
-Digest contract: the CRC-32 of every byte ``torch.save`` writes is computed as the bytes pass to the file (large
-writes in a second thread, alongside the write) and sealed into the archive's comment before the ``fsync``
-(``copy_correct._file_digest``: ``DigestWriter``, ``seal``), so ``verify_file`` can tell a damaged file from a whole
-one; ``torch.save``'s own per-record CRC-32, computed in line, is off for the save.
+Digest contract: ``torch.save`` writes straight into the temporary file (its own per-record CRC-32 off); the CRC-32
+of every byte it wrote is then read back from the file and sealed into the archive's comment before the ``fsync``
+(``copy_correct._file_digest.seal``), so ``verify_file`` can tell a damaged file from a whole one. A file of 16 MiB or
+more is ``fsync``-ed once in a second thread while its digest is computed (the disk's time hides the digest's), and
+once more after the seal (a page and the size).
 
 Disk full: a write, flush or ``fsync`` refused with ``ENOSPC`` (or ``EDQUOT``) raises ``DiskFull`` (an ``OSError``,
 ``copy_correct.disk_full``): one line naming the target, the bytes it needs at least (its tensors' storages), the bytes
@@ -23,15 +24,18 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from copy_correct._file_digest import DigestWriter, seal, torch_crc32
+from copy_correct._file_digest import seal, torch_crc32
 from copy_correct.disk_full import FULL, disk_full
 
 __all__ = ["atomic_save", "fsync_directory"]
+
+_OVERLAP = 16 << 20  # files of this many bytes or more: the first fsync in a second thread, beside the digest
 
 
 def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
@@ -39,18 +43,24 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> Path:
     written. ``DiskFull`` when the filesystem has no room for it."""
     target = Path(path)
     temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    writer: DigestWriter | None = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        with open(temporary, "wb") as file, DigestWriter(file) as writer, torch_crc32(False):
-            torch.save(obj, writer)
-            seal(file, writer)
+        with open(temporary, "w+b") as file, torch_crc32(False):
+            torch.save(obj, file)
+            file.flush()
+            if os.fstat(file.fileno()).st_size >= _OVERLAP:
+                with ThreadPoolExecutor(1, thread_name_prefix="copy-correct-fsync") as thread:
+                    synced = thread.submit(os.fsync, file.fileno())
+                    seal(file)
+                    synced.result()
+            else:
+                seal(file)
             os.fsync(file.fileno())
         os.replace(temporary, target)
     except BaseException as error:
-        written = max(writer.written if writer else 0, _size(temporary))  # what reached the file, or its buffer
+        written = _size(temporary)  # what reached the file
         temporary.unlink(missing_ok=True)
-        code = _full(error, writer)
+        code = _full(error)
         if code is not None:
             raise disk_full(target, code, written, _tensor_bytes(obj)) from error
         raise
@@ -67,9 +77,9 @@ def fsync_directory(path: Path) -> None:
         os.close(directory)
 
 
-def _full(error: BaseException, writer: DigestWriter | None) -> int | None:
-    """The errno of a full filesystem behind ``error`` (itself, its causes and contexts, or a write's), else None."""
-    seen: list[BaseException | None] = [error, writer.error if writer else None]
+def _full(error: BaseException) -> int | None:
+    """The errno of a full filesystem behind ``error`` (itself, its causes and contexts), else None."""
+    seen: list[BaseException | None] = [error]
     while seen:
         current = seen.pop()
         if isinstance(current, OSError) and current.errno in FULL:

@@ -27,20 +27,18 @@ import io
 import json
 import os
 import pickle
-import zlib
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from copy_correct._file_digest import verify_file
+from copy_correct._file_digest import file_crc32, verify_file
 from copy_correct.errors import DamagedFile, UnsafeFile, check_exists
 
 __all__ = ["DIGESTS", "verify_directory", "write_digests"]
 
 DIGESTS = "digests.json"
 _FORMAT = "copy-correct digests 1"
-_CHUNK = 1 << 20
 _METADATA_CLASSES = {
     ("torch.distributed.checkpoint.metadata", name)
     for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
@@ -133,8 +131,5 @@ def _files(directory: Path) -> list[Path]:
 
 
 def _crc32(path: Path) -> int:
-    crc = 0
     with open(path, "rb") as file:
-        while chunk := file.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
-    return crc
+        return file_crc32(file, 0, os.fstat(file.fileno()).st_size)

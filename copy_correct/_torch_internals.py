@@ -1,7 +1,7 @@
 """torch's private and version-dependent surfaces, each used here and nowhere else in the package: the tensor parts
 (``_foreach_writes``, ``_nonfinite``, ``replay``, the updates of ``ema``, ``power_ema`` and ``target``) and the
 probes call through this module, which imports only torch. Each entry says what it relies on; all were checked on
-torch 2.7.0, 2.13.0 and 2.14.1 (the package's floor is torch>=2.7; ``tools/versions/run.sh``).
+torch 2.10.0, 2.13.0 and 2.14.1 (the package's floor is torch>=2.10; ``tools/versions/run.sh``).
 
 * ``increment_versions(tensors)``: every tensor's version counter raised by one, metadata only (no kernel, nothing
   allocated). The public ``torch.autograd.graph.increment_version``, which takes a list in one call since torch 2.5

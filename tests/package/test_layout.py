@@ -30,10 +30,11 @@ PROBES = f"{PACKAGE}.probes"
 # The adapters that are a probe's Lightning half: they import their probe, as a probe's own tests do.
 PROBE_HALVES = {f"{LIGHTNING}.step_probe", f"{LIGHTNING}.graph_guard"}
 TENSOR_THIRD_PARTY = {"torch", "numpy"}
-# Optional packages a module imports only when a function of it is called, returning without them (ImportError):
-# no dependency of its layer. checked_load.hyperparameter_classes: the allowlist for a Lightning checkpoint's DictConfig
-# hyperparameters (a checkpoint that holds them was written where OmegaConf is installed).
-LAZY_OPTIONAL = {f"{PACKAGE}.checked_load": {"omegaconf"}}
+# Optional packages a module does without (an ImportError caught): no dependency of its layer.
+# checked_load.hyperparameter_classes imports OmegaConf only when called: the allowlist for a Lightning checkpoint's
+# DictConfig hyperparameters (a checkpoint that holds them was written where OmegaConf is installed). _file_digest
+# takes ISA-L's CRC-32 where the fast-digest extra installed it, else zlib's, the same function.
+OPTIONAL = {f"{PACKAGE}.checked_load": {"omegaconf"}, f"{PACKAGE}._file_digest": {"isal"}}
 FRAMEWORKS = {"lightning", "pytorch_lightning", "torchmetrics"}
 
 
@@ -59,7 +60,7 @@ def reached(tree: SourceTree, module: str) -> set[str]:
 def third_party(tree: SourceTree, module: str) -> set[str]:
     """The third-party packages ``module`` and every first-party module it reaches import."""
     modules = {module} | reached(tree, module)
-    return set().union(*(tree.needs(m).third_party - LAZY_OPTIONAL.get(m, set()) for m in modules))
+    return set().union(*(tree.needs(m).third_party - OPTIONAL.get(m, set()) for m in modules))
 
 
 def problems(tree: SourceTree) -> dict[str, list[str]]:
@@ -82,9 +83,25 @@ def problems(tree: SourceTree) -> dict[str, list[str]]:
     return found
 
 
+def test_without_isal_the_digests_are_zlibs_and_the_same() -> None:
+    """What ``OPTIONAL`` lets through for ``_file_digest``: without isal the package imports and seals with zlib's
+    CRC-32, which verifies the same file (the control: with isal installed here, it is ISA-L's that runs)."""
+    code = (
+        "import sys, tempfile, pathlib, torch; sys.modules['isal'] = None; sys.modules['isal.isal_zlib'] = None; "
+        "from copy_correct import _file_digest as d; from copy_correct._atomic_save import atomic_save; "
+        "assert d.CRC32 == 'zlib', d.CRC32; "
+        "p = pathlib.Path(tempfile.mkdtemp()) / 'a.pt'; atomic_save({'w': torch.ones(9)}, p); d.verify_file(p)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    from copy_correct import _file_digest
+
+    assert _file_digest.CRC32 == "isal"  # the control: the README's install (dev) takes the fast-digest extra
+
+
 def test_a_lazy_optional_import_is_imported_only_when_called_and_not_needed() -> None:
-    """What ``LAZY_OPTIONAL`` lets through: importing the module imports no OmegaConf, and without OmegaConf the call
-    returns an empty allowlist (the control: the call with OmegaConf imports it)."""
+    """What ``OPTIONAL`` lets through for ``checked_load``: importing the module imports no OmegaConf, and without
+    OmegaConf the call returns an empty allowlist (the control: the call with OmegaConf imports it)."""
     code = (
         "import sys; import copy_correct.checked_load as c; assert 'omegaconf' not in sys.modules; "
         "assert c.hyperparameter_classes() and 'omegaconf' in sys.modules; "

@@ -169,7 +169,14 @@ def test_each_layer_requires_only_what_it_imports(wheel: Path) -> None:
     recipes = {"copy-correct[lightning]", "hydra-core", "omegaconf", "scikit-learn", "gymnasium", "matplotlib"}
     assert needs["recipes"] == recipes | {"pillow", "tqdm"}
     assert needs["compress"] == {"zstandard", "lz4"}  # FrameReplayBuffer(compress=...)'s codecs, not the core's
-    assert "copy-correct[atari,compress,docs,recipes,test]" in needs["dev"]  # the README's install: every layer, tools
+    assert needs["fast-digest"] == {"isal"}  # the digests' CRC-32 at memory speed; zlib's without it
+    assert "copy-correct[atari,compress,docs,fast-digest,recipes,test]" in needs["dev"]  # the README's install
+
+
+def test_the_torch_floor_is_the_release_whose_weights_only_unpickler_is_safe(wheel: Path) -> None:
+    # 2.10.0: earlier releases' weights_only unpickler can be made to corrupt the heap by a crafted file
+    # (CVE-2026-24747).
+    assert "Requires-Dist: torch>=2.10" in metadata_file(wheel, "METADATA").splitlines()
 
 
 def test_the_lightning_floor_and_ceiling_are_the_tested_ones(wheel: Path) -> None:

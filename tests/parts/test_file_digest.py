@@ -9,6 +9,7 @@ refuses in one line raise, through ``torch.load``, exceptions that are not ``Val
 
 from __future__ import annotations
 
+import os
 import pickle
 import random
 import re
@@ -23,6 +24,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
+from copy_correct import _atomic_save, _file_digest
 from copy_correct._atomic_save import atomic_save
 from copy_correct._file_digest import verify_file
 from copy_correct._shard_digest import verify_directory, write_digests
@@ -104,7 +106,24 @@ def test_a_file_torch_save_wrote_is_checked_record_by_record_naming_the_record(t
     assert not torch.equal(torch.load(path, weights_only=True)["state_dict"]["w"], torch.linspace(0, 1, 4096))
     with pytest.raises(ValueError) as refused:
         verify_file(path)
-    assert str(refused.value) == f"{path} is damaged or not a file torch.save wrote: Bad CRC-32 for file '{record}'"
+    assert re.fullmatch(rf"{path} is damaged: record '{record}' has CRC-32 [0-9a-f]{{8}}, written as [0-9a-f]{{8}}",
+                        str(refused.value))  # fmt: skip
+
+
+@pytest.mark.parametrize("writer", ["torch.save", "atomic_save"])
+def test_a_record_damaged_past_its_first_slice_is_refused(writer: str, tmp_path: Path) -> None:
+    """Every byte of a large record is checked, not its first MiB or its first slice: the damage is in its last
+    bytes, more than ``_SLICE`` (and 1 MiB) into it."""
+    path = tmp_path / "large.ckpt"
+    state = {"w": torch.arange(_file_digest._SLICE // 4 + 2**18, dtype=torch.float32), "b": torch.ones(3)}
+    (torch.save if writer == "torch.save" else atomic_save)(state, path)
+    record, offset = record_offset(path, "data/0")
+    verify_file(path)
+    flip(path, offset + state["w"].nbytes - 8, 8)
+    assert not torch.equal(torch.load(path, weights_only=True)["w"], state["w"])  # the control: it loads, other numbers
+    says = f"record '{record}' has CRC-32" if writer == "torch.save" else "its bytes have CRC-32"
+    with pytest.raises(ValueError, match=f"{path} is damaged: {says}"):
+        verify_file(path)
 
 
 def test_a_damaged_snapshot_is_refused_by_load_snapshot_synthesize_and_the_command(
@@ -206,30 +225,34 @@ def test_a_distributed_checkpoint_is_checked_file_by_file_against_its_digests(tm
         verify_directory(directory)
 
 
-def test_large_writes_are_digested_in_a_second_thread_and_the_seal_is_the_crc_of_the_bytes_written(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("size", [2**12, 2**23], ids=["small", "32 MiB: fsync beside the digest"])
+def test_the_seal_is_the_crc_of_the_bytes_torch_save_wrote_whichever_crc32_computes_it(
+    size: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    calls: list[tuple[int, int]] = []
-    real = zlib.crc32
-
-    def recording(data: object, crc: int = 0) -> int:
-        calls.append((threading.get_ident(), memoryview(data).nbytes))  # type: ignore[arg-type]
-        return real(data, crc)  # type: ignore[arg-type]
-
+    fsyncs: list[int] = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (fsyncs.append(threading.get_ident()), real_fsync(fd))[1])
     path = tmp_path / "last.ckpt"
-    with monkeypatch.context() as patch:
-        patch.setattr(zlib, "crc32", recording)
-        atomic_save({"w": torch.randn(2**19), "b": torch.zeros(4)}, path)  # one record of 2 MiB
-    main_thread = threading.get_ident()
-    assert [n for t, n in calls if t != main_thread] == [2**21]  # the tensor's record, in the second thread
-    assert all(n < 2**20 for t, n in calls if t == main_thread)  # headers and small records in line
+    atomic_save({"w": torch.randn(size), "b": torch.zeros(4)}, path)
     with zipfile.ZipFile(path) as archive:
         comment, records = archive.comment.split(), archive.infolist()
-    size, sealed = int(comment[3]), int(comment[2], 16)
+    written, sealed = int(comment[3]), int(comment[2], 16)
     data = path.read_bytes()
-    assert comment[:2] == [b"copy-correct", b"crc32"] and len(data) == size + len(archive.comment)
-    assert real(data[: size - 2] + b"\0\0") == sealed  # the CRC-32 of what torch.save wrote
+    assert comment[:2] == [b"copy-correct", b"crc32"] and len(data) == written + len(archive.comment)
+    assert zlib.crc32(data[: written - 2] + b"\0\0") == sealed  # the CRC-32 of what torch.save wrote
     assert all(r.CRC == 0 for r in records)  # torch.save's own per-record pass was off: no second digest
+    main_thread = threading.get_ident()
+    large = size * 4 >= _atomic_save._OVERLAP
+    assert [t == main_thread for t in fsyncs] == ([False, True, True] if large else [True, True])  # file, file, dir
+    monkeypatch.setattr(_file_digest, "crc32", zlib.crc32)  # zlib's CRC-32 (no fast-digest extra): the same digest
+    verify_file(path)
     torch.save({"w": torch.ones(2)}, tmp_path / "plain.pt")  # the control: torch.save alone stores them, unsealed
     with zipfile.ZipFile(tmp_path / "plain.pt") as archive:
         assert archive.comment == b"" and all(r.CRC != 0 for r in archive.infolist() if r.file_size)
+
+
+def test_a_missing_file_is_a_file_not_found_error_naming_it(tmp_path: Path) -> None:
+    path = tmp_path / "gone.ckpt"
+    with pytest.raises(FileNotFoundError) as missing:
+        verify_file(path)
+    assert isinstance(missing.value, ValueError) and str(missing.value) == f"{path} does not exist"

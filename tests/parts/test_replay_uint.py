@@ -1,12 +1,12 @@
 """uint16, uint32 and uint64 observations and actions (issue 43), stored as stable-baselines3 stores them: in their
 dtype, a batch in that dtype too (``torch.uint16``...). Proven on every path ``ReplayBuffer`` has (the CPU's fast and
 checked ``add``s, tensor inputs, a vector step, both CPU gathers, the staging of a CUDA batch, ``state_dict`` through
-``torch.save``, the torch writes of a buffer off the CPU) and for ``FrameReplayBuffer``'s frames, on torch 2.7 as on
+``torch.save``, the torch writes of a buffer off the CPU) and for ``FrameReplayBuffer``'s frames, on torch 2.10 as on
 the newest (``tools/versions/run.sh``). What a uint field cannot hold is refused in one line, and nothing is written.
 
 Controls: the values used are ones the signed dtype of the same width would change; torch's own gather of a one-number
 uint field and torch's own write of a uint64 number beyond int64, each raising on a torch without the kernel or the
-conversion (2.7-2.13; where a torch has them, the control is the same values); numpy's cast, which would store a
+conversion (2.10-2.13; where a torch has them, the control is the same values); numpy's cast, which would store a
 refused value wrapped; a CPU batch, which asks for no staging.
 """
 

@@ -14,9 +14,9 @@ if [ "$#" -gt 0 ]; then
   ends=("$@")
 else
   ends=(
-    # The floors of pyproject.toml: the oldest releases the package claims.
-    "torch==2.7.0 numpy==1.26.4 lightning==2.6.6 torchmetrics==1.4.0"
-    # No pins: the newest releases pip is served here within pyproject.toml's ranges.
+    # The floors of pyproject.toml: the oldest releases the package claims (isal's: the fast-digest extra's CRC-32).
+    "torch==2.10.0 numpy==1.26.4 lightning==2.6.6 torchmetrics==1.4.0 isal==1.7.0"
+    # No pins: the newest releases pip is served here within pyproject.toml's ranges (no isal: zlib's CRC-32).
     ""
   )
 fi
