@@ -12,7 +12,7 @@ submodule to any module goes through ``nn.Module.__setattr__``/``register_*``, w
 shape, dtype or device: one reassigned alike each step is looked up by name anyway); an update compares one integer
 with the count it saw last and walks the model only when something, somewhere, was registered since. What no hook
 sees (``param.data = other_shape``, ``del module.head``) is found by the walk that ``average_weights``, ``copy_to`` and
-``export`` always make.
+``export`` always make, and that an update makes when a live tensor's data pointer changed (``copy_correct._shadow``).
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def changes(model: nn.Module, include_buffers: bool, entries: Sequence[Entry]) -
 
 def _changed(what: str) -> str:
     return (
-        f"the model changed under its average: {what} (a new head, reset_classifier, a Parameter assigned?); the "
-        "average cannot follow it: build a new one for the changed model (load_average its old state where the names "
-        "still fit)"
+        f"the model changed under its average: {what} (a new head, reset_classifier, a Parameter assigned, a storage "
+        "replaced through .data?); nothing was written; the average cannot follow it: build a new one for the changed "
+        "model (load_average its old state where the names still fit)"
     )

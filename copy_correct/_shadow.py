@@ -12,7 +12,10 @@ Copy contract:
   staging tensor per live tensor, allocated once. Parameters are looked up by object, buffers by (module, name):
   ``model.to(...)`` replaces buffer objects.
 * A model changed under the shadows (a tensor replaced, added, removed, reshaped or moved) is refused by name
-  (``copy_correct._model_changes``); one moved to another device or dtype is refused at the next update.
+  (``copy_correct._model_changes``) before anything is written, the shadows bit for bit as they were. Each group keeps
+  its live tensors' data pointers: a storage replaced in place (``param.data = ...``, ``model.to(...)``), which no
+  hook sees, changes one, and the update then checks every live tensor's shape, dtype and device first; a storage
+  swapped for one alike is followed.
 * ``pickle`` and ``copy.deepcopy`` copy the settings, counters and shadows (new storage, ties kept), never the model: a
   copy tracks no model until ``track(model)`` gives it one whose names, shapes and ties are the shadows'; the shadows
   keep their dtypes and devices. A sharded average refuses to be copied (save its ``state_dict``).
@@ -33,7 +36,7 @@ from torch import nn
 from copy_correct._finite_check import FiniteCheck, checked_values
 from copy_correct._foreach_writes import foreach_copy_
 from copy_correct._model_changes import Entry, ModelWatch, changes
-from copy_correct._module_tensors import TensorRefs, state_entries, unwrap
+from copy_correct._module_tensors import TensorRefs, pointers, state_entries, unwrap
 from copy_correct._nonfinite import guard_wanted
 from copy_correct._peer_calls import missing, not_callable
 from copy_correct._sharding import from_local, is_sharded, layout, local, local_part, reshard
@@ -56,6 +59,7 @@ class Group:
     staging: list[torch.Tensor] = field(default_factory=list)  # when shadow and live differ in dtype or device
     names: list[str] = field(default_factory=list)  # the state_dict name of each live tensor, for messages
     parameters: list[bool] = field(default_factory=list)  # whether each live tensor is a parameter
+    pointers: list[int] = field(default_factory=list)  # the live tensors' data pointers, when last checked
     shadows: list[torch.Tensor] = field(init=False)  # copies[0] (EMA's only copy), the same list
 
     def __post_init__(self) -> None:
@@ -156,6 +160,8 @@ class Shadows:
                     group.staging.append(torch.empty_like(first))
         if given:
             self._check_given(copies, made)
+        for group in groups.values():
+            group.pointers = pointers(group.live.resolve())
         return made, list(groups.values())
 
     def _given(
@@ -297,13 +303,20 @@ class Shadows:
         raise NotImplementedError
 
     def _checked_lives(self, group: Group) -> list[torch.Tensor]:
-        """The group's live tensors now (this rank's shards when sharded), refused if the model moved."""
+        """The group's live tensors now (this rank's shards when sharded). A data pointer changed since the last
+        check (a storage replaced in place: ``.data = ...``, ``model.to``) has every tensor of the model checked
+        first, and a tensor moved, reshaped or replaced refused by name, before anything is written."""
         lives = group.live.resolve()
-        if lives[0].device != group.live_device or lives[0].dtype != group.live_dtype:
-            raise RuntimeError(
-                f"the model moved from {group.live_device}/{group.live_dtype} to {lives[0].device}/{lives[0].dtype} "
-                f"after the {self._kind} was created: create the {self._kind} after model.to(...){self._moved_hint}"
-            )
+        if pointers(lives) != group.pointers:
+            for name, live in zip(group.names, lives, strict=True):
+                if live.device != group.live_device or live.dtype != group.live_dtype:
+                    raise RuntimeError(
+                        f"the model moved from {group.live_device}/{group.live_dtype} to {live.device}/{live.dtype} "
+                        f"({name!r}) after the {self._kind} was created: nothing was averaged; create the "
+                        f"{self._kind} after model.to(...){self._moved_hint}"
+                    )
+            self._check_model(self._tracked(None))
+            group.pointers = pointers(lives)
         return lives
 
     def _stage(self) -> None:

@@ -8,7 +8,9 @@ Copy contract:
 * Written in place, nothing allocated: ``hard_update`` (bit for bit, NaN and Inf included) and ``soft_update``
   (``lerp_`` by ``tau``) write into the target's storage under ``no_grad``, one ``torch._foreach_copy_`` /
   ``torch._foreach_lerp_`` per (device, dtype) group over lists built once per (target, online) pair, with no host
-  read. Buffers come along: floating ones copied or averaged, integer ones copied.
+  read. Buffers come along: floating ones copied or averaged, integer ones copied. A storage replaced in place on
+  either side (``.data = ...``, ``.to(...)``: a data pointer changed) has the pair checked again before anything is
+  written: one that no longer matches is refused naming the tensor, the target bit for bit as it was.
 * What autograd sees: each target tensor's ``_version`` rises by exactly one per update on every device
   (``copy_correct._foreach_writes``), so a backward through a target tensor saved before the update raises. Why not
   ``load_state_dict`` or ``target.data.copy_(tau * q + (1 - tau) * t)``: a ``state_dict()`` walk per call, or three
@@ -40,7 +42,7 @@ from torch import nn
 from copy_correct._checks import flag, module, number
 from copy_correct._finite_check import FiniteCheck
 from copy_correct._foreach_writes import foreach_copy_, foreach_lerp_
-from copy_correct._module_tensors import TensorRefs, state_entries, unwrap
+from copy_correct._module_tensors import TensorRefs, pointers, state_entries, unwrap
 from copy_correct._nonfinite import TARGET_GUARDS, NonFiniteGuard
 from copy_correct._sharding import fsdp_modules, is_sharded, layout, reshard
 from copy_correct._torch_internals import set_grad_enabled
@@ -114,7 +116,7 @@ def _update(
     finite, nothing is written and the skip is counted; finite, the same calls as unguarded. Guarded elsewhere, the
     online values are staged, checked and averaged (or selected) on the device by the target's ``NonFiniteGuard``.
     ``caller``: the public function whose argument order a new pair is checked for (``None``: not checked)."""
-    groups = _pairs(target, online, caller)
+    groups = _checked(_pairs(target, online, caller), target, online)
     grad_was_enabled = torch.is_grad_enabled()
     set_grad_enabled(False)  # what `with torch.no_grad()` does, at a fraction of a small network's update
     try:
@@ -135,6 +137,21 @@ def _update(
                 foreach_copy_(group.target.resolve(), group.online.resolve())
     finally:
         set_grad_enabled(grad_was_enabled)
+
+
+def _checked(groups: list[_PairGroup], target: nn.Module, online: nn.Module) -> list[_PairGroup]:
+    """The pair's groups, once every data pointer on both sides is the one they were built or last checked with;
+    otherwise (a storage replaced in place) the pair is checked again as ``_build`` checks a new one, and refused
+    naming the tensor, or its groups rebuilt, before anything is written."""
+    for group in groups:
+        if pointers(group.target.resolve()) != group.target_pointers or (
+            pointers(group.online.resolve()) != group.online_pointers
+        ):
+            target, online = unwrap(target, "target"), unwrap(online, "online")
+            rebuilt = _build(target, online)
+            _CACHE[target] = (weakref.ref(online), rebuilt, _CACHE[target][2])
+            return rebuilt
+    return groups
 
 
 class _HostGuard:
@@ -183,6 +200,8 @@ class _PairGroup:
     average: bool
     target: TensorRefs = field(default_factory=TensorRefs)
     online: TensorRefs = field(default_factory=TensorRefs)
+    target_pointers: list[int] = field(default_factory=list)  # each side's data pointers when built
+    online_pointers: list[int] = field(default_factory=list)
 
 
 _Cached = tuple[weakref.ref, list[_PairGroup], list[weakref.ref]]
@@ -257,6 +276,9 @@ def _build(target: nn.Module, online: nn.Module) -> list[_PairGroup]:
         raise ValueError(
             f"target and online ({type(online).__name__}) have no floating parameters or buffers: nothing to update"
         )
+    for group in groups.values():
+        group.target_pointers = pointers(group.target.resolve())
+        group.online_pointers = pointers(group.online.resolve())
     return list(groups.values())
 
 
