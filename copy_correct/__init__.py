@@ -19,7 +19,7 @@ Tensor parts:
     DeviceDataLoader     a DataLoader whose iterator is a DevicePrefetcher (DDP samplers still injected)
     make_loader          a loader that pins only for an accelerator, with or without the prefetcher
     PowerEMA             power-function EMA profiles (EDM2), updated in place per step, snapshotted atomically
-    synthesize           the EMA of any sigma_rel at any step, combined tensor by tensor from PowerEMA snapshots (mmap)
+    synthesize           the EMA of any sigma_rel at a step PowerEMA snapshots span, combined tensor by tensor (mmap)
     synthesis_coefficients  each snapshot profile's coefficient in that EMA (the maths: ``copy_correct.power_function``)
     CheckpointMismatch   raised while restoring a checkpoint that does not fit the run (train.py: one line, exit 2)
     load_checked         torch.load(weights_only=True) of a file after its digests are checked: nothing in it runs

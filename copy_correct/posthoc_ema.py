@@ -1,4 +1,4 @@
-"""Post-hoc EMA (EDM2): the power-function EMA of any ``sigma_rel`` at any step, combined from ``PowerEMA`` snapshots.
+"""Post-hoc EMA (EDM2): the power-function EMA of any ``sigma_rel`` at a step the ``PowerEMA`` snapshots span.
 
 Copy contract:
 
