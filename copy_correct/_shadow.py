@@ -36,7 +36,7 @@ from torch import nn
 from copy_correct._finite_check import FiniteCheck, checked_values
 from copy_correct._foreach_writes import foreach_copy_
 from copy_correct._model_changes import Entry, ModelWatch, changes
-from copy_correct._module_tensors import TensorRefs, pointers, state_entries, unwrap
+from copy_correct._module_tensors import DATA_PTR, TensorRefs, state_entries, unwrap
 from copy_correct._nonfinite import guard_wanted
 from copy_correct._peer_calls import missing, not_callable
 from copy_correct._sharding import from_local, is_sharded, layout, local, local_part, reshard
@@ -161,7 +161,7 @@ class Shadows:
         if given:
             self._check_given(copies, made)
         for group in groups.values():
-            group.pointers = pointers(group.live.resolve())
+            group.pointers = list(map(DATA_PTR, group.live.resolve()))
         return made, list(groups.values())
 
     def _given(
@@ -307,7 +307,7 @@ class Shadows:
         check (a storage replaced in place: ``.data = ...``, ``model.to``) has every tensor of the model checked
         first, and a tensor moved, reshaped or replaced refused by name, before anything is written."""
         lives = group.live.resolve()
-        if pointers(lives) != group.pointers:
+        if list(map(DATA_PTR, lives)) != group.pointers:
             for name, live in zip(group.names, lives, strict=True):
                 if live.device != group.live_device or live.dtype != group.live_dtype:
                     raise RuntimeError(
@@ -316,7 +316,7 @@ class Shadows:
                         f"{self._kind} after model.to(...){self._moved_hint}"
                     )
             self._check_model(self._tracked(None))
-            group.pointers = pointers(lives)
+            group.pointers = list(map(DATA_PTR, lives))
         return lives
 
     def _stage(self) -> None:

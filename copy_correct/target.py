@@ -42,7 +42,7 @@ from torch import nn
 from copy_correct._checks import flag, module, number
 from copy_correct._finite_check import FiniteCheck
 from copy_correct._foreach_writes import foreach_copy_, foreach_lerp_
-from copy_correct._module_tensors import TensorRefs, pointers, state_entries, unwrap
+from copy_correct._module_tensors import DATA_PTR, TensorRefs, state_entries, unwrap
 from copy_correct._nonfinite import TARGET_GUARDS, NonFiniteGuard
 from copy_correct._sharding import fsdp_modules, is_sharded, layout, reshard
 from copy_correct._torch_internals import set_grad_enabled
@@ -144,13 +144,13 @@ def _checked(groups: list[_PairGroup], target: nn.Module, online: nn.Module) -> 
     otherwise (a storage replaced in place) the pair is checked again as ``_build`` checks a new one, and refused
     naming the tensor, or its groups rebuilt, before anything is written."""
     for group in groups:
-        if pointers(group.target.resolve()) != group.target_pointers or (
-            pointers(group.online.resolve()) != group.online_pointers
+        if list(map(DATA_PTR, group.target.resolve())) != group.target_pointers or (
+            list(map(DATA_PTR, group.online.resolve())) != group.online_pointers
         ):
             target, online = unwrap(target, "target"), unwrap(online, "online")
-            rebuilt = _build(target, online)
-            _CACHE[target] = (weakref.ref(online), rebuilt, _CACHE[target][2])
-            return rebuilt
+            pair = _CACHE[target]
+            pair.groups = _build(target, online)
+            return pair.groups
     return groups
 
 
@@ -169,9 +169,9 @@ def _guard(target: nn.Module, groups: list[_PairGroup]) -> NonFiniteGuard | _Hos
     """The target's guard, built on the first guarded update and when its tensors change: a ``_HostGuard`` when every
     target tensor is on the CPU, else a ``NonFiniteGuard``."""
     tensors = [t for group in groups for t in group.target.resolve()]
-    pointers = [t.data_ptr() for t in tensors]
+    addresses = list(map(DATA_PTR, tensors))
     guarded = TARGET_GUARDS.get(target)
-    if guarded is not None and guarded[1] == pointers and all(map(operator.is_, guarded[0], tensors)):
+    if guarded is not None and guarded[1] == addresses and all(map(operator.is_, guarded[0], tensors)):
         return guarded[2]
     if any(is_sharded(t) for t in tensors):
         raise ValueError(
@@ -191,7 +191,7 @@ def _guard(target: nn.Module, groups: list[_PairGroup]) -> NonFiniteGuard | _Hos
             skipped = torch.full((), count, dtype=torch.float64, device=tensors[0].device)
         applied = torch.zeros((), dtype=torch.float64, device=skipped.device)  # no warm-up here: never read
         guard = NonFiniteGuard([(group.target.resolve(), group.average) for group in groups], skipped, applied)
-    TARGET_GUARDS[target] = (tensors, pointers, guard)
+    TARGET_GUARDS[target] = (tensors, addresses, guard)
     return guard
 
 
@@ -204,10 +204,22 @@ class _PairGroup:
     online_pointers: list[int] = field(default_factory=list)
 
 
-_Cached = tuple[weakref.ref, list[_PairGroup], list[weakref.ref]]
+@dataclass
+class _Pair:
+    """A (target, online) pair's groups, built on its first update and again when a data pointer changed, and the
+    target's FSDP2 modules (weakly), found once: the updates run every step."""
+
+    online: weakref.ref
+    groups: list[_PairGroup]
+    sharded: list[weakref.ref]
+
+
 # Keyed by the target; every value refers to modules weakly (the target's buffer owners and FSDP2 modules, the online
 # network), so a target dropped by its user is freed, cache entry and all.
-_CACHE: weakref.WeakKeyDictionary[nn.Module, _Cached] = weakref.WeakKeyDictionary()
+_CACHE: weakref.WeakKeyDictionary[nn.Module, _Pair] = weakref.WeakKeyDictionary()
+# The same pairs by the ids of the objects an update is passed (wrapped or not), checked by identity and dropped with
+# either: one dict lookup, where unwrapping both and the weak dictionary cost a small network's update a tenth.
+_PASSED: dict[tuple[int, int], tuple[weakref.ref, weakref.ref, _Pair]] = {}
 
 
 def _pairs(target: nn.Module, online: nn.Module, caller: str | None) -> list[_PairGroup]:
@@ -215,18 +227,30 @@ def _pairs(target: nn.Module, online: nn.Module, caller: str | None) -> list[_Pa
     (local), ready to write.
 
     Both networks are unwrapped first (``torch.compile``, ``DataParallel``, DDP): the pair is the modules inside."""
-    target, online = unwrap(target, "target"), unwrap(online, "online")
-    cached = _CACHE.get(target)
-    if cached is None or cached[0]() is not online:
+    key = (id(target), id(online))
+    passed = _PASSED.get(key)
+    if passed is not None and passed[0]() is target and passed[1]() is online:
+        pair = passed[2]
+    else:
+        pair = _pair(unwrap(target, "target"), unwrap(online, "online"), caller)
+        forget = lambda _: _PASSED.pop(key, None)  # noqa: E731 - a weakref callback
+        _PASSED[key] = (weakref.ref(target, forget), weakref.ref(online, forget), pair)
+    if pair.sharded:
+        reshard([m for m in (ref() for ref in pair.sharded) if m is not None])
+    return pair.groups
+
+
+def _pair(target: nn.Module, online: nn.Module, caller: str | None) -> _Pair:
+    """The unwrapped pair's cache entry, made when the target has none for this online network."""
+    pair = _CACHE.get(target)
+    if pair is None or pair.online() is not online:
         if caller is not None:
             _refuse_reversed(caller, target, online)
-        sharded = fsdp_modules(target)  # found once: the updates run every step
+        sharded = fsdp_modules(target)
         reshard(sharded)  # its sharded parameters registered, to build the lists from
-        cached = (weakref.ref(online), _build(target, online), [weakref.ref(m) for m in sharded])
-        _CACHE[target] = cached
-    if cached[2]:
-        reshard([m for m in (ref() for ref in cached[2]) if m is not None])
-    return cached[1]
+        pair = _Pair(weakref.ref(online), _build(target, online), [weakref.ref(m) for m in sharded])
+        _CACHE[target] = pair
+    return pair
 
 
 def _refuse_reversed(caller: str, target: nn.Module, online: nn.Module) -> None:
@@ -277,8 +301,8 @@ def _build(target: nn.Module, online: nn.Module) -> list[_PairGroup]:
             f"target and online ({type(online).__name__}) have no floating parameters or buffers: nothing to update"
         )
     for group in groups.values():
-        group.target_pointers = pointers(group.target.resolve())
-        group.online_pointers = pointers(group.online.resolve())
+        group.target_pointers = list(map(DATA_PTR, group.target.resolve()))
+        group.online_pointers = list(map(DATA_PTR, group.online.resolve()))
     return list(groups.values())
 
 

@@ -126,9 +126,9 @@ def test_a_storage_swapped_for_one_alike_is_followed(kind: str, device: str) -> 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_control_without_the_check_the_update_is_half_written(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    blind: Callable[[list[torch.Tensor]], list[int]] = lambda tensors: []  # noqa: E731 - every pointer list "equal"
-    monkeypatch.setattr(_shadow, "pointers", blind)
-    monkeypatch.setattr(target_module, "pointers", blind)
+    blind: Callable[[torch.Tensor], int] = lambda tensor: 0  # noqa: E731 - every data pointer the same
+    monkeypatch.setattr(_shadow, "DATA_PTR", blind)
+    monkeypatch.setattr(target_module, "DATA_PTR", blind)
     averaged = Averaged(kind, "cpu")
     averaged.train()
     averaged.perturb()
