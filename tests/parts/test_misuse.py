@@ -317,4 +317,4 @@ def test_a_refused_reversed_pair_builds_no_lists() -> None:
         hard_update(online, target)
     assert online not in target_module._CACHE
     hard_update(target, online)
-    assert target_module._CACHE[target][0]() is online
+    assert target_module._CACHE[target].online() is online
