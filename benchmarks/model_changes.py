@@ -1,5 +1,6 @@
-"""Benchmark what refusing a model changed under an ``EMA`` costs (``copy_correct._model_changes``), against the update
-itself, on the EMA benchmark's models; write the table to docs/benchmarks.md.
+"""Benchmark what refusing a model changed under an average costs (``copy_correct._model_changes``, and the data-pointer
+check before an update's first write), against the update itself, on the EMA benchmark's models; write the tables to
+docs/benchmarks.md.
 
     python -m benchmarks.model_changes                 # CPU; the digits MLP and two ~25M-parameter models
     python -m benchmarks.model_changes --quick --output /tmp/b.md
@@ -12,6 +13,10 @@ Rows, each timed in the same interleaved rounds:
   model's ``state_dict`` names, what an update pays once after a module is built or assigned
 * the walk alone (``_check_model``), which ``average_weights``, ``copy_to`` and ``export`` make each time
 * ``average_weights`` entered and left (its two copies of the weights, and the walk)
+
+and for ``EMA.update``, ``PowerEMA.update`` (two profiles), ``soft_update`` and ``hard_update`` of a target of the
+model: the update, and the check it makes before its first write alone (each live tensor's data pointer compared with
+the one it was last checked with; a target pair's on both sides), the check's time over the update's.
 """
 
 from __future__ import annotations
@@ -23,9 +28,12 @@ from pathlib import Path
 import torch
 from torch import nn
 
+import copy_correct.target as target_module
 from benchmarks.ema import benchmark_models
 from benchmarks.report import command_line, measured_on, median_ms, parse_args, write_section
-from copy_correct import EMA, _model_changes
+from copy_correct import EMA, PowerEMA, _model_changes, hard_update, make_target, soft_update
+from copy_correct._module_tensors import DATA_PTR
+from copy_correct._shadow import Shadows
 
 ROOT = Path(__file__).resolve().parents[1]
 UPDATE = "EMA.update (the check: one integer compare)"
@@ -52,6 +60,42 @@ def contenders(model: nn.Module) -> dict[str, Callable[[], object]]:
     }
 
 
+def pointer_checks(model: nn.Module) -> dict[str, Callable[[], object]]:
+    """Each update, and the data-pointer check it makes before its first write, alone."""
+    ema, power, target = EMA(model, decay=0.999), PowerEMA(model, sigma_rels=(0.05, 0.1)), make_target(model)
+    soft_update(target, model, 0.005)
+
+    def averages_check(average: Shadows) -> Callable[[], object]:
+        return lambda: [list(map(DATA_PTR, g.live.resolve())) != g.pointers for g in average._groups]
+
+    def target_check() -> object:
+        return target_module._checked(target_module._pairs(target, model, None), target, model)
+
+    return {
+        "EMA.update": lambda: ema.update(model),
+        "EMA.update check": averages_check(ema),
+        "PowerEMA.update": lambda: power.update(model),
+        "PowerEMA.update check": averages_check(power),
+        "soft_update": lambda: soft_update(target, model, 0.005),
+        "soft_update check": target_check,
+        "hard_update": lambda: hard_update(target, model),
+        "hard_update check": target_check,
+    }
+
+
+def pointer_table(title: str, times: dict[str, float]) -> str:
+    lines = [
+        f"**{title}**: the data-pointer check before an update's first write",
+        "",
+        "| update | ms per call | the check alone, ms | its share of the update |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for name in ("EMA.update", "PowerEMA.update", "soft_update", "hard_update"):
+        update, check = times[name], times[f"{name} check"]
+        lines.append(f"| {name} | {update:.4f} | {check:.4f} | {check / update * 100:.1f}% |")
+    return "\n".join(lines)
+
+
 def table(title: str, model: nn.Module, times: dict[str, float]) -> str:
     tensors = len(model.state_dict())
     lines = [
@@ -72,12 +116,14 @@ def main(argv: list[str]) -> int:
         model = make().to(device)
         sections.append(table(title, model, median_ms(contenders(model), device, budget)))
         print(sections[-1], end="\n\n", flush=True)
+        sections.append(pointer_table(title, median_ms(pointer_checks(model), device, budget)))
+        print(sections[-1], end="\n\n", flush=True)
     header = measured_on(device, command_line("benchmarks.model_changes", args))
     key = f"model-changes-{device.type}"
     write_section(
         args.output,
         key,
-        f"A model changed under the EMA: the check's cost ({device.type})",
+        f"A model changed under an average: the checks' cost ({device.type})",
         header,
         "\n\n".join(sections),
     )

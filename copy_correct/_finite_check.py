@@ -28,13 +28,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import torch
 
-from copy_correct._foreach_writes import foreach_copy_
-
-__all__ = ["GRAIN", "FiniteCheck", "checked_values"]
+__all__ = ["GRAIN", "FiniteCheck"]
 
 GRAIN = 32768  # at::internal::GRAIN_SIZE: a reduction of more elements runs in parallel
 _GEMV = 1 << 20  # from this many elements the rows are summed by gemv, which reads faster; below, its call costs more
@@ -146,33 +143,3 @@ class FiniteCheck:
         if all(ok):
             return True
         return all(good or plan.exact(t) for good, plan, t in zip(ok, self.plans, values, strict=True))
-
-
-class _Staged(Protocol):
-    """An average's group as ``EMA`` and ``PowerEMA`` keep it: averaged or copied, and its staging (empty: none)."""
-
-    average: bool
-    staging: list[torch.Tensor]
-
-
-def checked_values(
-    groups: Sequence[_Staged],
-    lives_of: Callable[[_Staged], list[torch.Tensor]],
-    check: FiniteCheck | None,
-    skipped: torch.Tensor | None,
-) -> list[list[torch.Tensor]] | None:
-    """Per group, the values an update averages: its live tensors (``lives_of(group)``), copied into its staging where
-    it has one (the average's dtype or device differs). With a ``check``, ``None`` instead when an averaged value is
-    NaN or Inf, the skip counted in ``skipped`` (a 0-dim float64 CPU tensor): the update then writes nothing."""
-    values = []
-    for group in groups:
-        lives = lives_of(group)
-        if group.staging:
-            foreach_copy_(group.staging, lives)
-            lives = group.staging
-        values.append(lives)
-    if check is not None and not check.finite([v for group, v in zip(groups, values, strict=True) if group.average]):
-        assert skipped is not None
-        skipped.add_(1.0)  # a float: an int is wrapped as an int64 tensor, then cast (a new one)
-        return None
-    return values

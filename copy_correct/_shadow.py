@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from copy_correct._finite_check import FiniteCheck, checked_values
+from copy_correct._finite_check import FiniteCheck
 from copy_correct._foreach_writes import foreach_copy_
 from copy_correct._model_changes import Entry, ModelWatch, changes
 from copy_correct._module_tensors import DATA_PTR, TensorRefs, state_entries, unwrap
@@ -303,32 +303,51 @@ class Shadows:
         raise NotImplementedError
 
     def _checked_lives(self, group: Group) -> list[torch.Tensor]:
-        """The group's live tensors now (this rank's shards when sharded). A data pointer changed since the last
-        check (a storage replaced in place: ``.data = ...``, ``model.to``) has every tensor of the model checked
-        first, and a tensor moved, reshaped or replaced refused by name, before anything is written."""
+        """The group's live tensors now (this rank's shards when sharded), checked (``_recheck``) when a data pointer
+        changed since the last check."""
         lives = group.live.resolve()
         if list(map(DATA_PTR, lives)) != group.pointers:
-            for name, live in zip(group.names, lives, strict=True):
-                if live.device != group.live_device or live.dtype != group.live_dtype:
-                    raise RuntimeError(
-                        f"the model moved from {group.live_device}/{group.live_dtype} to {live.device}/{live.dtype} "
-                        f"({name!r}) after the {self._kind} was created: nothing was averaged; create the "
-                        f"{self._kind} after model.to(...){self._moved_hint}"
-                    )
-            self._check_model(self._tracked(None))
-            group.pointers = list(map(DATA_PTR, lives))
+            self._recheck(group, lives)
         return lives
 
+    def _recheck(self, group: Group, lives: list[torch.Tensor]) -> None:
+        """A data pointer of ``lives`` changed (a storage replaced in place: ``.data = ...``, ``model.to``): every
+        tensor of the model is checked, and one moved, reshaped or replaced refused by name, before anything is
+        written; the pointers are kept for the next update when all still fit."""
+        for name, live in zip(group.names, lives, strict=True):
+            if live.device != group.live_device or live.dtype != group.live_dtype:
+                raise RuntimeError(
+                    f"the model moved from {group.live_device}/{group.live_dtype} to {live.device}/{live.dtype} "
+                    f"({name!r}) after the {self._kind} was created: nothing was averaged; create the "
+                    f"{self._kind} after model.to(...){self._moved_hint}"
+                )
+        self._check_model(self._tracked(None))
+        group.pointers = list(map(DATA_PTR, lives))
+
     def _stage(self) -> None:
-        """Copy the live values into the device guard's staging, group by group."""
-        for index, group in enumerate(self._groups):
-            foreach_copy_(self._guard.staging(index), self._checked_lives(group))
+        """Copy the live values into the device guard's staging, group by group, once every group is checked."""
+        lives = [self._checked_lives(group) for group in self._groups]
+        for index, values in enumerate(lives):
+            foreach_copy_(self._guard.staging(index), values)
 
     def _values(self) -> list[list[torch.Tensor]] | None:
-        """The values an update averages, per group (staged into the shadows' dtype and device where they differ);
-        under a ``FiniteCheck``, ``None`` when one holds a NaN or an Inf: the skip is counted, nothing is written."""
-        check = self._guard if isinstance(self._guard, FiniteCheck) else None  # a device guard does not come here
-        return checked_values(self._groups, self._checked_lives, check, self._skipped if check is not None else None)
+        """The values an update averages, per group: its live tensors (checked: ``_checked_lives``), copied into its
+        staging where it has one (the shadows' dtype or device differs). Under a ``FiniteCheck``, ``None`` when an
+        averaged value is NaN or Inf: the skip is counted, nothing is written."""
+        values = []
+        for group in self._groups:
+            lives = group.live.resolve()
+            if list(map(DATA_PTR, lives)) != group.pointers:  # _checked_lives, in line: the update's hot path
+                self._recheck(group, lives)
+            if group.staging:
+                foreach_copy_(group.staging, lives)
+                lives = group.staging
+            values.append(lives)
+        guard = self._guard  # a FiniteCheck or none: a device guard does not come here
+        if guard is not None and not guard.finite([v for g, v in zip(self._groups, values, strict=True) if g.average]):
+            self._skipped.add_(1.0)  # a float: an int is wrapped as an int64 tensor, then cast (a new one)
+            return None
+        return values
 
     def _skipped_count(self) -> int:
         """How many updates ``skip_nonfinite`` skipped (0 without it), for ``skipped_updates``: on a GPU a sync."""

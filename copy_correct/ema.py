@@ -237,7 +237,7 @@ class EMA(Shadows):
             k = int(self._applied)
             if not copy:
                 self._applied.add_(1.0)
-        weight = 1.0 - self.decay_at(k)
+        weight = 1.0 - self.schedule.at(k)
         for group, lives in zip(self._groups, values, strict=True):
             if group.average and not copy:
                 foreach_lerp_(group.shadows, lives, weight)

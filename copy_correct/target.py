@@ -116,42 +116,49 @@ def _update(
     finite, nothing is written and the skip is counted; finite, the same calls as unguarded. Guarded elsewhere, the
     online values are staged, checked and averaged (or selected) on the device by the target's ``NonFiniteGuard``.
     ``caller``: the public function whose argument order a new pair is checked for (``None``: not checked)."""
-    groups = _checked(_pairs(target, online, caller), target, online)
+    groups, targets, onlines = _checked(_pairs(target, online, caller), target, online)
     grad_was_enabled = torch.is_grad_enabled()
     set_grad_enabled(False)  # what `with torch.no_grad()` does, at a fraction of a small network's update
     try:
         if skip_nonfinite:
             guard = _guard(unwrap(target), groups)
             if isinstance(guard, NonFiniteGuard):
-                for index, group in enumerate(groups):
-                    foreach_copy_(guard.staging(index), group.online.resolve())
+                for index, values in enumerate(onlines):
+                    foreach_copy_(guard.staging(index), values)
                 guard.update(tau >= 1.0, _constant(1.0 - tau if tau < 1.0 else 0.0))
                 return
-            if not guard.check.finite([group.online.resolve() for group in groups if group.average]):
+            if not guard.check.finite([v for g, v in zip(groups, onlines, strict=True) if g.average]):
                 guard.skipped += 1
                 return
-        for group in groups:
+        for group, written, values in zip(groups, targets, onlines, strict=True):
             if group.average and tau < 1.0:
-                foreach_lerp_(group.target.resolve(), group.online.resolve(), tau)
+                foreach_lerp_(written, values, tau)
             else:
-                foreach_copy_(group.target.resolve(), group.online.resolve())
+                foreach_copy_(written, values)
     finally:
         set_grad_enabled(grad_was_enabled)
 
 
-def _checked(groups: list[_PairGroup], target: nn.Module, online: nn.Module) -> list[_PairGroup]:
-    """The pair's groups, once every data pointer on both sides is the one they were built or last checked with;
-    otherwise (a storage replaced in place) the pair is checked again as ``_build`` checks a new one, and refused
-    naming the tensor, or its groups rebuilt, before anything is written."""
+def _checked(
+    groups: list[_PairGroup], target: nn.Module, online: nn.Module
+) -> tuple[list[_PairGroup], list[list[torch.Tensor]], list[list[torch.Tensor]]]:
+    """The pair's groups and each group's target and online tensors now, once every data pointer on both sides is
+    the one they were built or last checked with; otherwise (a storage replaced in place) the pair is checked again
+    as ``_build`` checks a new one, and refused naming the tensor, or its groups rebuilt, before anything is
+    written."""
+    targets, onlines = [], []
     for group in groups:
-        if list(map(DATA_PTR, group.target.resolve())) != group.target_pointers or (
-            list(map(DATA_PTR, group.online.resolve())) != group.online_pointers
+        written, values = group.target.resolve(), group.online.resolve()
+        if list(map(DATA_PTR, written)) != group.target_pointers or (
+            list(map(DATA_PTR, values)) != group.online_pointers
         ):
             target, online = unwrap(target, "target"), unwrap(online, "online")
             pair = _CACHE[target]
             pair.groups = _build(target, online)
-            return pair.groups
-    return groups
+            return _checked(pair.groups, target, online)
+        targets.append(written)
+        onlines.append(values)
+    return groups, targets, onlines
 
 
 class _HostGuard:
