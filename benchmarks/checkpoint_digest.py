@@ -5,21 +5,26 @@
   save with no digest at all (``torch.save``'s per-record CRC-32 off, no seal), and against the same save with
   ``torch.save``'s own per-record CRC-32 (computed in line) instead of the seal;
 * checking them: ``verify_file`` against the load it guards, ``torch.load(weights_only=True)`` (a resume's read) and
-  ``torch.load(weights_only=True, mmap=True)`` (the post-hoc command's).
+  ``torch.load(weights_only=True, mmap=True)`` (the post-hoc command's); and ``verify_file`` with zlib's CRC-32, what
+  it costs without the ``fast-digest`` extra;
+* the candidate hashes, each over the same 64 MiB in memory beside a plain copy of those bytes: zlib's CRC-32, ISA-L's
+  (``isal``), and, where installed, CRC-32C (``crc32c``, ``google-crc32c``) and xxHash's XXH3 (``xxhash``).
 
     python -m benchmarks.checkpoint_digest outputs/ema/RUN/checkpoints/last.ckpt ... [--synthetic-mb 256]
 
 Each FILE is loaded (``weights_only=True``) and re-saved into a temporary folder beside it (the same filesystem).
-``--synthetic-mb`` adds a state dict of float32 tensors of that size. Prints a Markdown table.
+``--synthetic-mb`` adds a state dict of float32 tensors of that size. Prints two Markdown tables.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import statistics
 import tempfile
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -51,7 +56,7 @@ def _seconds(action: Callable[[], Any]) -> float:
 def measure(name: str, state: Any, folder: Path, repeat: int) -> str:
     """One table row: sizes, save times with and without the digests, check and load times."""
     target = folder / f"{name}.ckpt"
-    times: dict[str, list[float]] = {k: [] for k in ("none", "torch", "ours", "verify", "load", "mmap")}
+    times: dict[str, list[float]] = {k: [] for k in ("none", "torch", "ours", "verify", "zlib", "load", "mmap")}
     saves: list[tuple[str, Callable[[], Any]]] = [
         ("none", lambda: plain_save(state, folder / "none.ckpt", torch_crc32=False)),
         ("torch", lambda: plain_save(state, folder / "torch.ckpt", torch_crc32=True)),
@@ -61,6 +66,7 @@ def measure(name: str, state: Any, folder: Path, repeat: int) -> str:
         for key, save in saves[round_ % 3 :] + saves[: round_ % 3]:  # each first in turn
             times[key].append(_seconds(save))
         times["verify"].append(_seconds(lambda: verify_file(target)))
+        times["zlib"].append(_seconds(lambda: _with_zlib(lambda: verify_file(target))))
         times["load"].append(_seconds(lambda: torch.load(target, map_location="cpu", weights_only=True)))
         times["mmap"].append(_seconds(lambda: torch.load(target, map_location="cpu", weights_only=True, mmap=True)))
     m = {k: statistics.median(v) * 1e3 for k, v in times.items()}
@@ -68,8 +74,51 @@ def measure(name: str, state: Any, folder: Path, repeat: int) -> str:
     return (
         f"| {name} | {size:.2f} | {m['none']:.2f} | {m['ours']:.2f} | {(m['ours'] / m['none'] - 1) * 100:+.1f}% "
         f"| {(m['torch'] / m['none'] - 1) * 100:+.1f}% | {m['verify']:.2f} | {m['load']:.2f} "
-        f"| {m['verify'] / m['load'] * 100:.0f}% | {m['mmap']:.2f} |"
+        f"| {m['verify'] / m['load'] * 100:.1f}% | {m['zlib'] / m['load'] * 100:.0f}% | {m['mmap']:.2f} |"
     )
+
+
+def _with_zlib(action: Callable[[], Any]) -> Any:
+    """``action`` with ``_file_digest``'s CRC-32 zlib's: the digests without the fast-digest extra."""
+    fast, _file_digest.crc32 = _file_digest.crc32, zlib.crc32
+    try:
+        return action()
+    finally:
+        _file_digest.crc32 = fast
+
+
+def candidates() -> dict[str, Callable[[memoryview], object]]:
+    """The hashes measured for the digest, by name: the two CRC-32s always, the others where installed."""
+    found: dict[str, Callable[[memoryview], object]] = {"zlib CRC-32": zlib.crc32}
+    for name, module, function in [
+        ("ISA-L CRC-32 (isal)", "isal.isal_zlib", "crc32"),
+        ("CRC-32C (crc32c)", "crc32c", "crc32c"),
+        ("CRC-32C (google-crc32c)", "google_crc32c", "value"),
+        ("XXH3 64-bit (xxhash)", "xxhash", "xxh3_64_intdigest"),
+    ]:
+        try:
+            found[name] = getattr(importlib.import_module(module), function)
+        except ImportError:
+            continue
+    return found
+
+
+def hash_table(repeat: int) -> str:
+    """GB/s of each candidate over the same 64 MiB, beside a plain copy of them (medians of interleaved rounds)."""
+    data = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8)
+    view, copy = memoryview(data.numpy()), torch.empty_like(data)
+    rows: dict[str, Callable[[], object]] = {k: (lambda f=f: f(view)) for k, f in candidates().items()}
+    rows["plain copy of the same bytes"] = lambda: copy.copy_(data)
+    times: dict[str, list[float]] = {k: [] for k in rows}
+    for _ in range(repeat):
+        for key, action in rows.items():
+            times[key].append(_seconds(action))
+    lines = ["| hash | GB/s | time / ISA-L's |", "|---|---:|---:|"]
+    fast = statistics.median(times.get("ISA-L CRC-32 (isal)", times["zlib CRC-32"]))
+    for key, values in times.items():
+        median = statistics.median(values)
+        lines.append(f"| {key} | {data.numel() / median / 1e9:.1f} | {median / fast:.2f}x |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -80,8 +129,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     rows = [
         "| file | MB | save, no digest (ms) | atomic_save (ms) | its digest's cost | torch's per-record CRC's cost "
-        "| verify (ms) | load (ms) | verify / load | mmap load (ms) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| verify (ms) | load (ms) | verify / load | with zlib's CRC-32 | mmap load (ms) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     cases: list[tuple[str, Any, Path]] = [
         (f"{p.parent.parent.name}/{p.name}", torch.load(p, map_location="cpu", weights_only=True), p.parent)
@@ -94,7 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     for name, state, near in cases:
         with tempfile.TemporaryDirectory(dir=near) as folder:
             rows.append(measure(name.replace("/", "-"), state, Path(folder), args.repeat))
-    print("\n".join(rows))
+    print("\n".join(rows), end="\n\n")
+    print(hash_table(args.repeat))
 
 
 if __name__ == "__main__":
