@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -24,6 +23,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+from tests.ports import free_port  # each multi-process test's rendezvous: a port no other allocation gets
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF_DIR = ROOT / "conf"
@@ -115,13 +116,6 @@ def env_without_checkout() -> dict[str, str]:
     return {**env, "PYTHONPATH": os.pathsep.join(kept)} if kept else env
 
 
-def free_port() -> str:
-    """A TCP port nobody listens on now: each multi-process test gets a rendezvous of its own."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return str(s.getsockname()[1])
-
-
 def run_rank_script(script: str, out: Path, timeout: int = 300) -> list[dict]:
     """``python tests/workers/SCRIPT OUT`` with a port of its own (``TEST_PORT``); what each rank saved as
     ``OUT/rank{r}.pt``, in rank order."""
@@ -134,10 +128,11 @@ def run_rank_script(script: str, out: Path, timeout: int = 300) -> list[dict]:
 
 
 def run_train(*args: str, timeout: int = 900) -> subprocess.CompletedProcess[str]:
-    """``python train.py ARGS`` in a subprocess from the repository root, output captured."""
+    """``python train.py ARGS`` in a subprocess from the repository root, output captured; a port of its own for the
+    rendezvous should it start several processes (``MASTER_PORT``)."""
     return subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-        env=child_env(PYTHONUNBUFFERED="1"),
+        env=child_env(PYTHONUNBUFFERED="1", MASTER_PORT=free_port()),
     )  # fmt: skip
 
 

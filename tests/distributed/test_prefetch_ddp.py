@@ -9,13 +9,13 @@ from pathlib import Path
 
 import torch
 
-from tests.conftest import ROOT, child_env
+from tests.conftest import ROOT, child_env, free_port
 
 
 def _ddp_indices(out: Path, *args: str) -> tuple[list[int], list[int]]:
     result = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "workers" / "ddp_prefetch.py"), str(out), *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env(),
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env(MASTER_PORT=free_port()),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     return (

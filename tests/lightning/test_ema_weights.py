@@ -27,7 +27,7 @@ from copy_correct._weight_swap import swap_in, swap_out
 from copy_correct.lightning import EMAWeights, IsolatedEvaluation
 from copy_correct.lightning._ema_pass import EMAPass
 from copy_correct.probes import shares_storage
-from tests.conftest import DEVICES
+from tests.conftest import DEVICES, child_env, free_port
 from tests.lightning import test_isolated_evaluation as isolation
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -399,7 +399,7 @@ def test_an_exception_in_the_ema_evaluation_restores_the_live_weights_before_lig
 def _ddp_shadows(out: Path, *args: str) -> tuple[dict, dict]:
     result = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "workers" / "ddp_ema.py"), str(out), *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env(MASTER_PORT=free_port()),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     return torch.load(out / "rank0.pt", weights_only=True), torch.load(out / "rank1.pt", weights_only=True)

@@ -22,7 +22,7 @@ from copy_correct import PowerEMA, synthesize
 from copy_correct.lightning import PostHocEMASnapshots
 from copy_correct.posthoc_ema import load_snapshot, snapshot_paths
 from copy_correct.snapshot_history import check_snapshot_history, snapshot_gaps
-from tests.conftest import ROOT, child_env
+from tests.conftest import ROOT, child_env, free_port
 
 COMMAND = [sys.executable, "-m", "copy_correct", "posthoc"]  # copy-correct posthoc, from this checkout
 
@@ -289,7 +289,7 @@ def test_the_callback_refuses_a_bad_power_ema_argument_in_its_words_without_buil
 def test_under_ddp_rank_zero_alone_writes_the_snapshots(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "workers" / "ddp_posthoc_ema.py"), str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env(),
+        cwd=ROOT, capture_output=True, text=True, timeout=300, env=child_env(MASTER_PORT=free_port()),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
