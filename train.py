@@ -2,7 +2,8 @@
 
 Builds everything from the Hydra config (``conf/config.yaml`` plus ``conf/recipe/NAME.yaml``), trains,
 and leaves in the run directory: ``metrics.csv``, ``checkpoints/``, ``summary.json`` and Hydra's
-``.hydra/`` (the resolved config).
+``.hydra/`` (the resolved config). A run over several processes (``trainer=ddp``, ``fsdp``) then ends its process group
+on every rank before it exits (``recipes/process_group.py``).
 
 Resume after a crash: the same command again, plus ``ckpt_path=`` the crashed run's directory (its
 ``checkpoints/last.ckpt``) or a checkpoint file::
@@ -50,6 +51,7 @@ from recipes.launch import (
     recipe_argument_error,
     remove_empty_files,
 )
+from recipes.process_group import end_process_group
 
 
 def refuse(message: str, show: bool = True) -> NoReturn:
@@ -111,6 +113,7 @@ def main(cfg: DictConfig) -> float | None:
     if cfg.get("recipe") is None:
         refuse(recipe_argument_error([]) or "no recipe given")
     metrics = train(cfg)
+    end_process_group()  # here, where nothing holds the trainer or the model any more
     return metrics.get(cfg.recipe.get("monitor") or "")
 
 

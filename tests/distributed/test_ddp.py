@@ -5,7 +5,6 @@ run resumed from a checkpoint ends on every rank as the uninterrupted one, per-r
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +13,7 @@ import pytest
 import torch
 
 from copy_correct.posthoc_ema import load_snapshot
-from tests.conftest import ROOT, child_env
+from tests.conftest import ROOT, child_env, free_port
 
 SHORT = {
     "metrics": ["trainer.max_epochs=2"],
@@ -25,43 +24,34 @@ SHORT = {
 }  # fmt: skip
 
 
-def aborted_at_exit(result: subprocess.CompletedProcess[str]) -> bool:
-    """Whether a rank aborted after ``fit`` had ended, as the interpreter exited: gloo's threads are torn down during
-    finalization and can abort the process (SIGABRT, "terminate called without an active exception"), the abort our
-    own workers avoid with ``end_rank`` (a barrier, ``destroy_process_group`` and ``os._exit``). Seen about once in a
-    few CI runs; ``train.py`` has no such exit yet, so a run that aborted only there is run once more, and any other
-    failure, or the abort twice, fails the test."""
-    return (
-        result.returncode == -6
-        and "`Trainer.fit` stopped" in result.stderr
-        and result.stderr.rstrip().endswith("terminate called without an active exception")
-    )
-
-
 def run_ddp(recipe: str, cwd: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], dict, dict]:
-    """Train ``recipe`` on 2 gloo processes from ``cwd`` (so Hydra makes its own run directory there); ``extra``
-    overrides replace the short run's own settings of the same keys."""
+    """Train ``recipe`` on 2 gloo processes from ``cwd`` (so Hydra makes its own run directory there), once: the run
+    must exit 0 with both ranks' process group ended (``end_process_group``: no gloo thread left to the interpreter's
+    exit). ``extra`` overrides replace the short run's own settings of the same keys."""
     replaced = {override.split("=")[0] for override in extra}
     short = [override for override in SHORT[recipe] if override.split("=")[0] not in replaced]
     command = [
         sys.executable, str(ROOT / "train.py"), f"+recipe={recipe}", "trainer=ddp", *short, *extra,
         "trainer.accelerator=cpu",  # 2 gloo processes: CPU-only by nature (one GPU could not hold two ranks)
-        "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false",
-        "+callbacks.rank_state._target_=tests.workers.rank_state.SaveRankState",
-        f"+callbacks.rank_state.dirpath={cwd / 'ranks'}",
+        "trainer.enable_progress_bar=false", "trainer.enable_model_summary=false", *rank_callbacks(cwd / "ranks"),
     ]  # fmt: skip
-    before = set(cwd.iterdir())
-    for _ in range(2):
-        result = subprocess.run(
-            command, cwd=cwd, capture_output=True, text=True, timeout=600, env=child_env(PYTHONUNBUFFERED="1")
-        )
-        if not aborted_at_exit(result):
-            break
-        for made in set(cwd.iterdir()) - before:  # run once more from the same start, this attempt's outputs gone
-            shutil.rmtree(made) if made.is_dir() else made.unlink()
+    env = child_env(PYTHONUNBUFFERED="1", MASTER_PORT=free_port())
+    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    load = lambda rank: torch.load(cwd / "ranks" / f"rank{rank}.pt", weights_only=True)  # noqa: E731
-    return result, load(0), load(1)
+    load = lambda name: torch.load(cwd / "ranks" / f"{name}.pt", weights_only=True)  # noqa: E731
+    assert [load("exit0"), load("exit1")] == [{"group": False, "threads": []}] * 2
+    return result, load("rank0"), load("rank1")
+
+
+def rank_callbacks(dirpath: Path) -> list[str]:
+    """The overrides that add the tests' callbacks: what each rank ended with (``rank{R}.pt``) and what was left to
+    its exit (``exit{R}.pt``), in ``dirpath``."""
+    return [
+        "+callbacks.rank_state._target_=tests.workers.rank_state.SaveRankState",
+        f"+callbacks.rank_state.dirpath={dirpath}",
+        "+callbacks.exit_census._target_=tests.workers.exit_census.ExitCensus",
+        f"+callbacks.exit_census.dirpath={dirpath}",
+    ]
 
 
 # Per-step values logged without sync_dist stay each rank's own (rank 0's are written): a collective per step
@@ -159,14 +149,3 @@ def test_gan_resumed_under_ddp_ends_on_each_rank_as_the_uninterrupted_run(
     rank0, rank1 = resumed_from(tmp_path / "rank0_everywhere.ckpt", "control")
     assert not torch.equal(rank1["rng"], uninterrupted[1]["rng"])
     assert any(not torch.equal(weights, uninterrupted[0]["model"][name]) for name, weights in rank0["model"].items())
-
-
-def test_only_an_abort_after_fit_at_exit_is_run_again() -> None:
-    def finished(code: int, stderr: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.CompletedProcess([], code, "", stderr)
-
-    ended = "INFO: `Trainer.fit` stopped: `max_epochs=2` reached.\nterminate called without an active exception\n"
-    assert aborted_at_exit(finished(-6, ended))
-    assert not aborted_at_exit(finished(-6, "terminate called without an active exception\n"))  # before fit ended
-    assert not aborted_at_exit(finished(1, ended))  # another failure
-    assert not aborted_at_exit(finished(-6, ended + "Traceback (most recent call last):\n"))

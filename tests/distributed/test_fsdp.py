@@ -20,7 +20,7 @@ from copy_correct.lightning import AtomicCheckpointIO, AtomicModelParallelStrate
 from recipes.build import build
 from recipes.launch import checkpoint_to_resume
 from tests.conftest import QUIET, ROOT, child_env, compose_config, free_port, warning_lines
-from tests.distributed.test_ddp import RANK_LOCAL, SHORT, assert_same_tensors
+from tests.distributed.test_ddp import RANK_LOCAL, SHORT, assert_same_tensors, rank_callbacks
 from tests.recipes.test_resume import differences
 
 FSDP = ["trainer=fsdp", "trainer.accelerator=cpu"]  # 2 gloo processes: CPU-only by nature, like trainer=ddp's tests
@@ -34,18 +34,20 @@ def command(recipe: str, cwd: Path, *extra: str) -> list[str]:
     short = [override for override in SHORT[recipe] if override.split("=")[0] not in replaced]
     return [
         sys.executable, str(ROOT / "train.py"), f"+recipe={recipe}", *FSDP, *short, *QUIET, *extra,
-        "+callbacks.rank_state._target_=tests.workers.rank_state.SaveRankState",
-        f"+callbacks.rank_state.dirpath={cwd / 'ranks'}",
+        *rank_callbacks(cwd / "ranks"),
     ]  # fmt: skip
 
 
 def run_fsdp(recipe: str, cwd: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], dict, dict]:
-    """Train ``recipe`` sharded over 2 gloo processes from ``cwd``; what each rank ended with."""
+    """Train ``recipe`` sharded over 2 gloo processes from ``cwd``, once: the run must exit 0 with both ranks' process
+    group ended (``end_process_group``); what each rank ended with. (The group's threads may outlive it, idle: a
+    ``DTensor`` keeps its backend from C++, out of Python's reach.)"""
     env = child_env(PYTHONUNBUFFERED="1", MASTER_PORT=free_port())
     result = subprocess.run(command(recipe, cwd, *extra), cwd=cwd, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    load = lambda rank: torch.load(cwd / "ranks" / f"rank{rank}.pt", weights_only=True)  # noqa: E731
-    return result, load(0), load(1)
+    load = lambda name: torch.load(cwd / "ranks" / f"{name}.pt", weights_only=True)  # noqa: E731
+    assert not load("exit0")["group"] and not load("exit1")["group"]
+    return result, load("rank0"), load("rank1")
 
 
 def one_run_directory(cwd: Path, recipe: str) -> Path:

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
+from pathlib import Path
 
+import torch
 import torch.distributed as dist
+
+# The threads a gloo process group runs: its run loops, its TCP loop, and (on the rank that hosts it) its TCPStore.
+GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop", "pt_tcpstore_uv")
 
 
 def join_as_lightning_rank(rank: int, world: int = 2) -> None:
@@ -30,3 +36,14 @@ def end_rank() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def record_exit_census(path: Path) -> None:
+    """At this process's exit (``atexit``: after ``main``, before the interpreter finalizes), save to ``path`` whether
+    a default process group is still initialized and the names of gloo's threads still running (Linux)."""
+
+    def record() -> None:
+        names = [(task / "comm").read_text().strip() for task in Path("/proc/self/task").iterdir()]
+        torch.save({"group": dist.is_initialized(), "threads": sorted(n for n in names if n in GLOO_THREADS)}, path)
+
+    atexit.register(record)

@@ -13,6 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from copy_correct.lightning import EMAWeights
 from copy_correct.lightning._rank_zero_buffers import RankZeroBuffers
+from recipes.process_group import end_process_group
 from tests.lightning.test_ema_weights import Regressor
 
 
@@ -50,3 +51,5 @@ if __name__ == "__main__":
         enable_progress_bar=False, enable_model_summary=False, callbacks=[ema, SaveShadow(ema, out)],
     )  # fmt: skip
     trainer.fit(Regressor(), DataLoader(data, batch_size=16))
+    del trainer  # it holds the process group: freed with it, as train.py ends a run
+    end_process_group()

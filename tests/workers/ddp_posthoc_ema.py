@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from copy_correct.lightning import PostHocEMASnapshots
+from recipes.process_group import end_process_group
 from tests.lightning.test_posthoc_ema_snapshots import Regressor, loader
 
 
@@ -35,3 +36,5 @@ if __name__ == "__main__":
         callbacks=[callback, SaveProfiles(callback, out), ModelCheckpoint(dirpath=out / "checkpoints")],
     )  # fmt: skip
     trainer.fit(Regressor(), loader())
+    del trainer  # it holds the process group: freed with it, as train.py ends a run
+    end_process_group()

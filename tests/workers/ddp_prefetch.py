@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from copy_correct import DeviceDataLoader, DevicePrefetcher
+from recipes.process_group import end_process_group
 
 
 class RecordIndices(pl.LightningModule):
@@ -58,3 +59,5 @@ if __name__ == "__main__":
         enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     trainer.fit(RecordIndices(out), datamodule=IndexData(control))
+    del trainer  # it holds the process group: freed with it, as train.py ends a run
+    end_process_group()
