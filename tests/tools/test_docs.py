@@ -82,7 +82,7 @@ def recipe_sources(recipe: str) -> set[str]:
 
 def test_the_dev_extra_pulls_in_the_docs_extra() -> None:
     pyproject = (ROOT / "pyproject.toml").read_text()
-    assert re.search(r'^dev = \[[^\]]*"copy-correct\[[\w,]*docs[\w,]*\]"', pyproject, re.M)
+    assert re.search(r'^dev = \[[^\]]*"copy-correct\[[\w,-]*docs[\w,-]*\]"', pyproject, re.M)
     assert re.search(r'^docs = \[.*"mkdocs>=.*"mkdocs-material>=.*"mkdocstrings\[python\]>=', pyproject, re.M)
 
 
