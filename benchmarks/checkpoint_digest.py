@@ -1,12 +1,12 @@
 """What the checkpoint digests cost, measured in one process, interleaved, medians of ``--repeat`` rounds:
 
-* writing them: ``atomic_save`` (``torch.save`` into a file beside the target, the CRC-32 of its bytes computed as
-  they pass, large writes in a second thread, sealed into the archive's comment, ``fsync``, rename) against the same
-  save with no digest at all (``torch.save``'s per-record CRC-32 off, no seal), and against the same save with
-  ``torch.save``'s own per-record CRC-32 (computed in line) instead of the seal;
+* writing them: ``atomic_save`` (``torch.save`` into a file beside the target, the CRC-32 of its bytes read back and
+  sealed into the archive's comment, ``fsync``, rename) against the same save with no digest at all (its seal a no-op,
+  ``torch.save``'s per-record CRC-32 off), and against the same save with ``torch.save``'s own per-record CRC-32
+  (computed in line) instead of the seal;
 * checking them: ``verify_file`` against the load it guards, ``torch.load(weights_only=True)`` (a resume's read) and
-  ``torch.load(weights_only=True, mmap=True)`` (the post-hoc command's); and ``verify_file`` with zlib's CRC-32, what
-  it costs without the ``fast-digest`` extra;
+  ``torch.load(weights_only=True, mmap=True)`` (the post-hoc command's); ``verify_file`` with zlib's CRC-32, what it
+  costs without the ``fast-digest`` extra; and ``load_checked`` (the check, then the load) against the plain load;
 * the candidate hashes, each over the same 64 MiB in memory beside a plain copy of those bytes: zlib's CRC-32, ISA-L's
   (``isal``), and, where installed, CRC-32C (``crc32c``, ``google-crc32c``) and xxHash's XXH3 (``xxhash``).
 
@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import statistics
 import tempfile
 import time
@@ -34,17 +33,19 @@ import torch
 from copy_correct import _atomic_save, _file_digest
 from copy_correct._atomic_save import atomic_save
 from copy_correct._file_digest import verify_file
+from copy_correct.checked_load import load_checked
 
 
-def plain_save(obj: Any, path: Path, torch_crc32: bool) -> None:
-    """``atomic_save``'s steps without its digest: ``torch.save`` into a temporary file, ``fsync``, rename."""
-    temporary = path.with_name(f".{path.name}.tmp")
-    with open(temporary, "wb") as file, _file_digest.torch_crc32(torch_crc32):
-        torch.save(obj, file)
-        file.flush()
-        os.fsync(file.fileno())
-    os.replace(temporary, path)
-    _atomic_save.fsync_directory(path.parent)
+def unsealed_save(obj: Any, path: Path, torch_crc32: bool) -> None:
+    """``atomic_save`` without its digest, every other step the same (the temporary file, ``fsync``, rename, the
+    directory's ``fsync``): its seal a no-op, ``torch.save``'s per-record CRC-32 on or off."""
+    seal, crc = _atomic_save.seal, _atomic_save.torch_crc32
+    _atomic_save.seal = lambda file: None
+    _atomic_save.torch_crc32 = lambda enabled: _file_digest.torch_crc32(torch_crc32)
+    try:
+        atomic_save(obj, path)
+    finally:
+        _atomic_save.seal, _atomic_save.torch_crc32 = seal, crc
 
 
 def _seconds(action: Callable[[], Any]) -> float:
@@ -56,10 +57,11 @@ def _seconds(action: Callable[[], Any]) -> float:
 def measure(name: str, state: Any, folder: Path, repeat: int) -> str:
     """One table row: sizes, save times with and without the digests, check and load times."""
     target = folder / f"{name}.ckpt"
-    times: dict[str, list[float]] = {k: [] for k in ("none", "torch", "ours", "verify", "zlib", "load", "mmap")}
+    keys = ("none", "torch", "ours", "verify", "zlib", "load", "checked", "mmap")
+    times: dict[str, list[float]] = {k: [] for k in keys}
     saves: list[tuple[str, Callable[[], Any]]] = [
-        ("none", lambda: plain_save(state, folder / "none.ckpt", torch_crc32=False)),
-        ("torch", lambda: plain_save(state, folder / "torch.ckpt", torch_crc32=True)),
+        ("none", lambda: unsealed_save(state, folder / "none.ckpt", torch_crc32=False)),
+        ("torch", lambda: unsealed_save(state, folder / "torch.ckpt", torch_crc32=True)),
         ("ours", lambda: atomic_save(state, target)),
     ]
     for round_ in range(repeat):
@@ -68,13 +70,15 @@ def measure(name: str, state: Any, folder: Path, repeat: int) -> str:
         times["verify"].append(_seconds(lambda: verify_file(target)))
         times["zlib"].append(_seconds(lambda: _with_zlib(lambda: verify_file(target))))
         times["load"].append(_seconds(lambda: torch.load(target, map_location="cpu", weights_only=True)))
+        times["checked"].append(_seconds(lambda: load_checked(target)))
         times["mmap"].append(_seconds(lambda: torch.load(target, map_location="cpu", weights_only=True, mmap=True)))
     m = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     size = target.stat().st_size / 1e6
     return (
         f"| {name} | {size:.2f} | {m['none']:.2f} | {m['ours']:.2f} | {(m['ours'] / m['none'] - 1) * 100:+.1f}% "
         f"| {(m['torch'] / m['none'] - 1) * 100:+.1f}% | {m['verify']:.2f} | {m['load']:.2f} "
-        f"| {m['verify'] / m['load'] * 100:.1f}% | {m['zlib'] / m['load'] * 100:.0f}% | {m['mmap']:.2f} |"
+        f"| {m['verify'] / m['load'] * 100:.1f}% | {m['zlib'] / m['load'] * 100:.0f}% "
+        f"| {(m['checked'] / m['load'] - 1) * 100:+.1f}% | {m['mmap']:.2f} |"
     )
 
 
@@ -129,8 +133,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     rows = [
         "| file | MB | save, no digest (ms) | atomic_save (ms) | its digest's cost | torch's per-record CRC's cost "
-        "| verify (ms) | load (ms) | verify / load | with zlib's CRC-32 | mmap load (ms) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| verify (ms) | load (ms) | verify / load | with zlib's CRC-32 | load_checked over the load "
+        "| mmap load (ms) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     cases: list[tuple[str, Any, Path]] = [
         (f"{p.parent.parent.name}/{p.name}", torch.load(p, map_location="cpu", weights_only=True), p.parent)

@@ -111,11 +111,15 @@ def test_a_file_torch_save_wrote_is_checked_record_by_record_naming_the_record(t
 
 
 @pytest.mark.parametrize("writer", ["torch.save", "atomic_save"])
-def test_a_record_damaged_past_its_first_slice_is_refused(writer: str, tmp_path: Path) -> None:
-    """Every byte of a large record is checked, not its first MiB or its first slice: the damage is in its last
-    bytes, more than ``_SLICE`` (and 1 MiB) into it."""
+@pytest.mark.parametrize(
+    "nbytes", [4 * _file_digest._CHUNK + 4096, _file_digest._SLICE + 2**20], ids=["read in chunks", "mapped"]
+)
+def test_a_record_damaged_past_its_first_chunk_or_slice_is_refused(writer: str, nbytes: int, tmp_path: Path) -> None:
+    """Every byte of a large record is checked, not its first MiB, chunk or slice: the damage is in its last bytes,
+    more than a chunk (``_CHUNK``, read into a buffer below ``_MAPPED`` bytes) or a slice (``_SLICE``, of a memory map
+    from ``_MAPPED``) into it."""
     path = tmp_path / "large.ckpt"
-    state = {"w": torch.arange(_file_digest._SLICE // 4 + 2**18, dtype=torch.float32), "b": torch.ones(3)}
+    state = {"w": torch.arange(nbytes // 4, dtype=torch.float32), "b": torch.ones(3)}
     (torch.save if writer == "torch.save" else atomic_save)(state, path)
     record, offset = record_offset(path, "data/0")
     verify_file(path)
