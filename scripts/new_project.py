@@ -450,13 +450,13 @@ def _pyproject(
     ours = re.search(r'^name = "(.*)"$', text, re.M)[1]
     dropped_extras = ["docs", "bench"] + ([] if "ale_py" in imports else ["atari"])
     for extra in dropped_extras:
-        text = re.sub(rf"^(# .*\n)*{extra} = \[.*\]\n", "", text, flags=re.M)
+        text = re.sub(rf"^(#[^\n]*\n)*{extra} = \[.*?\]\n", "", text, flags=re.M | re.S)  # a list over lines too
 
     def own_extras(match: re.Match[str]) -> str:
         kept = [extra for extra in match[1].split(",") if extra not in dropped_extras]
         return f'"{name}[{",".join(kept)}]",{match[2]}' if kept else ""
 
-    text = re.sub(rf'"{re.escape(ours)}\[([\w,]+)\]",(\s*)', own_extras, text)
+    text = re.sub(rf'"{re.escape(ours)}\[([\w,-]+)\]",(\s*)', own_extras, text)
     providers = packages_distributions()
     needed = {_dist_key(d) for top in imports for d in providers.get(top, [top])}
     if re.search(r"^dependencies = \[\n(.*?)^\]", text, re.M | re.S) is None:

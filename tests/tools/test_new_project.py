@@ -148,6 +148,8 @@ def test_starter_holds_only_the_modules_and_tests_it_needs(tmp_path: Path) -> No
     assert '"gymnasium' in (dqn / "pyproject.toml").read_text()
     assert '"gymnasium' not in (metrics / "pyproject.toml").read_text()
     assert "mkdocs" not in (metrics / "pyproject.toml").read_text()  # no docs site, no docs extra
+    assert "\nbench = " not in (metrics / "pyproject.toml").read_text()  # nor the peers (a list over three lines)
+    assert f'"{metrics.name}[recipes,test,compress,fast-digest]"' in (metrics / "pyproject.toml").read_text()
     pinned = generate("pinned", tmp_path / "pinned")
     assert (pinned / "conf" / "pinned" / "gpu_scale.yaml").is_file()  # the recipe's own option group comes along
     assert (pinned / "recipes" / "data" / "pinned_digits.py").is_file()  # the data module its conf names
