@@ -28,8 +28,8 @@ working directory (an earlier run's directory is left as it is).
 A run whose training loss or weights turn NaN or Inf (a finite ``model.lr=1e30``) stops with status 3 and one line
 naming the step (``NonFiniteStop``, ``callbacks.nonfinite_stop``), before any checkpoint holds them: its
 ``checkpoints/`` keep the last good state. A full disk stops the run with status 2 and one line naming the path, the
-bytes and the space free (``copy_correct.disk_full``): the last good checkpoint is kept, the temporary file removed,
-and the files that a refused write left empty (Lightning's ``hparams.yaml``, Hydra's log) are removed.
+bytes and the space free (``copy_correct.files.disk_full``): the last good checkpoint is kept, the temporary file
+removed, and the files that a refused write left empty (Lightning's ``hparams.yaml``, Hydra's log) are removed.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         refuse(str(err.__cause__ if isinstance(err, InstantiationException) and err.__cause__ else err))
     ignore_expected_warnings(model)
     from copy_correct import CheckpointMismatch
-    from copy_correct.disk_full import disk_full_line
+    from copy_correct.files.disk_full import disk_full_line
     from copy_correct.lightning import NonFiniteTraining
 
     try:

@@ -30,10 +30,11 @@ from typing import Any
 
 import torch
 
-from copy_correct import _atomic_save, _file_digest
-from copy_correct._atomic_save import atomic_save
-from copy_correct._file_digest import verify_file
-from copy_correct.checked_load import load_checked
+import copy_correct.files.atomic_save as _atomic_save
+import copy_correct.files.digest as _file_digest
+from copy_correct.files.atomic_save import atomic_save
+from copy_correct.files.checked_load import load_checked
+from copy_correct.files.digest import verify_file
 
 
 def unsealed_save(obj: Any, path: Path, torch_crc32: bool) -> None:

@@ -13,7 +13,7 @@ Contenders, each keeping a float32 average of the same model and updating it onc
 * the same with ``skip_nonfinite=True``, the default for a CPU shadow: the update skipped when a live value is NaN or
   Inf (on the CPU decided on the host from one reduction per tensor; on a GPU on the device, with a staging copy); its
   ``time / ours`` is the guard's cost
-* the CPU guard's check alone (``copy_correct._finite_check.FiniteCheck`` of the live values): one read of the
+* the CPU guard's check alone (``copy_correct.guards.host.FiniteCheck`` of the live values): one read of the
   weights, the work the guard adds to the update; the guarded row's floor is the two rows' sum
 * timm ``ModelEmaV3(model, decay)`` (foreach, the default) and ``ModelEmaV2``: ``.update(model, step=n)`` /
   ``.update(model)``, as timm's ``train.py`` calls them; both average every ``state_dict`` entry
@@ -61,7 +61,7 @@ from benchmarks.peers import Missing, label, load, timm_model_ema
 from benchmarks.report import bandwidth_table, command_line, measured_on, median_ms, parse_args, write_section
 from benchmarks.stream import StreamLimit, in_rounds
 from copy_correct import EMA
-from copy_correct._nonfinite import NonFiniteGuard
+from copy_correct.guards.device import NonFiniteGuard
 
 ROOT = Path(__file__).resolve().parents[1]
 

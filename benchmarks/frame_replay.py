@@ -417,7 +417,7 @@ def million_compressed(rec: Recording, transitions: int) -> tuple[str, dict[str,
 
 def codec_candidates(frame_bytes: int) -> dict[str, tuple[Callable[[Any], bytes], Callable[[Any], bytes]] | Missing]:
     """The codecs measured for ``compress=``, each frame compressed alone: (compress, decompress) or why not here."""
-    from copy_correct._frame_codec import codec
+    from copy_correct.replay.frame_codec import codec
 
     found: dict[str, tuple[Callable[[Any], bytes], Callable[[Any], bytes]] | Missing] = {}
     zstd, lz4 = load("zstandard", "zstandard"), load("lz4.block", "lz4")

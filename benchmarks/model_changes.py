@@ -1,6 +1,6 @@
-"""Benchmark what refusing a model changed under an average costs (``copy_correct._model_changes``, and the data-pointer
-check before an update's first write), against the update itself, on the EMA benchmark's models; write the tables to
-docs/benchmarks.md.
+"""Benchmark what refusing a model changed under an average costs (``copy_correct.averages.model_changes``, and the
+data-pointer check before an update's first write), against the update itself, on the EMA benchmark's models; write the
+tables to docs/benchmarks.md.
 
     python -m benchmarks.model_changes                 # CPU; the digits MLP and two ~25M-parameter models
     python -m benchmarks.model_changes --quick --output /tmp/b.md
@@ -28,12 +28,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
+import copy_correct.averages.model_changes as _model_changes
 import copy_correct.target as target_module
 from benchmarks.ema import benchmark_models
 from benchmarks.report import command_line, measured_on, median_ms, parse_args, write_section
-from copy_correct import EMA, PowerEMA, _model_changes, hard_update, make_target, soft_update
-from copy_correct._module_tensors import DATA_PTR
-from copy_correct._shadow import Shadows
+from copy_correct import EMA, PowerEMA, hard_update, make_target, soft_update
+from copy_correct.averages.shadow import Shadows
+from copy_correct.core.module_tensors import DATA_PTR
 
 ROOT = Path(__file__).resolve().parents[1]
 UPDATE = "EMA.update (the check: one integer compare)"

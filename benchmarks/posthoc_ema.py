@@ -43,7 +43,7 @@ from benchmarks.ema import benchmark_models, small_model
 from benchmarks.peers import Missing, label, load
 from benchmarks.report import command_line, measured_on, median_ms, parse_args, write_section
 from copy_correct import PowerEMA, synthesize
-from copy_correct.posthoc_ema import snapshot_paths
+from copy_correct.averages.posthoc import snapshot_paths
 from copy_correct.probes import MemoryProbe
 
 ROOT = Path(__file__).resolve().parents[1]

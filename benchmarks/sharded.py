@@ -47,7 +47,7 @@ from torch import nn
 from benchmarks.ema import Block, transformer_model
 from benchmarks.report import command_line, parse_args, write_section
 from copy_correct import EMA
-from copy_correct._sharding import is_sharded, local
+from copy_correct.core.sharding import is_sharded, local
 from copy_correct.probes import CollectiveProbe, MemoryProbe
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,8 +3,8 @@
     copy-correct posthoc RUN_DIR --sigma-rel 0.08 [0.12 ...] [--step N] [--checkpoint PATH]
 
 ``posthoc`` writes checkpoints of post-hoc EMA weights that ``MyModule.load_from_checkpoint(path)`` reads
-(``copy_correct.posthoc_command`` says how). ``main`` returns the exit status: 0, each written path printed on its
-own line, once however often its width is given; 2, with one line on stderr (``copy-correct posthoc: error: ...``),
+(``copy_correct.averages.posthoc_command`` says how). ``main`` returns the exit status: 0, each written path printed on
+its own line, once however often its width is given; 2, with one line on stderr (``copy-correct posthoc: error: ...``),
 for bad arguments (a ``--step`` past the last snapshot or before the first among them, naming both steps), nothing to
 synthesize from, a path given that does not exist (``MissingFile``, also a ``FileNotFoundError``: a file named on the
 command line that is not there is an argument to fix, as a missing RUN_DIR is), or a file refused (damaged, cut short,
@@ -21,8 +21,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from copy_correct.posthoc_command import posthoc
-from copy_correct.power_function import SIGMA_REL_MAX, sigma_rel_to_gamma
+from copy_correct.averages.posthoc_command import posthoc
+from copy_correct.averages.power_function import SIGMA_REL_MAX, sigma_rel_to_gamma
 
 __all__ = ["main"]
 

@@ -11,8 +11,8 @@ The update ``k`` (0-based, counting averaging updates) uses ``decay_at(k)``:
   ``"copy"``: ``decay``; ``"power"`` (``True``): ``1 - (1 + (k + warmup_offset) / warmup_gamma) ** -warmup_power``;
   ``"ratio"``: ``(1 + k) / (10 + k)``; each ramp clipped to ``[min_decay, decay]``.
 
-Each peer's schedule is one of these (``copy_correct.peer_schedules`` maps their arguments; ``tests/peers`` compares
-the sequences with the peers' own code): timm's ``ModelEmaV3`` given ``step=`` (``"copy"``, or ``"power"`` with
+Each peer's schedule is one of these (``copy_correct.averages.peer_schedules`` maps their arguments; ``tests/peers``
+compares the sequences with the peers' own code): timm's ``ModelEmaV3`` given ``step=`` (``"copy"``, or ``"power"`` with
 ``use_warmup``), diffusers' ``EMAModel`` (``"ratio"``, or ``"power"`` with ``use_ema_warmup``), ema-pytorch's ``EMA``
 (``"power"``; ``warmup_offset`` places its ramp, counted from ``update_after_step``, on our grid of updates), torch's
 ``AveragedModel`` with ``get_ema_multi_avg_fn`` and Lightning's ``EMAWeightAveraging`` (``"copy"``). The arithmetic is
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from copy_correct._checks import number, real, shown
+from copy_correct.core.checks import number, real, shown
 
 __all__ = ["WARMUPS", "DecaySchedule", "schedule_differences", "warmup_name"]
 

@@ -22,7 +22,7 @@ class CheckpointMismatch(ValueError):
 class DamagedFile(ValueError):
     """A file handed over to be loaded that is not, or no longer, what ``torch.save`` (or
     ``torch.distributed.checkpoint``) wrote: its bytes do not match the digests written with it, or it is no such
-    archive. The message is one line naming the file; ``copy_correct.checked_load`` says when it is raised."""
+    archive. The message is one line naming the file; ``copy_correct.files.checked_load`` says when it is raised."""
 
 
 class UnsafeFile(ValueError):

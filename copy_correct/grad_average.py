@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from copy_correct._flat import flat_views
-from copy_correct._foreach_writes import foreach_copy_
+from copy_correct.core.flat import flat_views
+from copy_correct.core.foreach_writes import foreach_copy_
 
 __all__ = ["GradientAverager"]
 

@@ -12,13 +12,13 @@ Copy contract:
   either side (``.data = ...``, ``.to(...)``: a data pointer changed) has the pair checked again before anything is
   written: one that no longer matches is refused naming the tensor, the target bit for bit as it was.
 * What autograd sees: each target tensor's ``_version`` rises by exactly one per update on every device
-  (``copy_correct._foreach_writes``), so a backward through a target tensor saved before the update raises. Why not
+  (``copy_correct.core.foreach_writes``), so a backward through a target tensor saved before the update raises. Why not
   ``load_state_dict`` or ``target.data.copy_(tau * q + (1 - tau) * t)``: a ``state_dict()`` walk per call, or three
   temporaries per tensor and a write that ``.data`` hides from autograd.
 * ``skip_nonfinite=True`` (opt-in) leaves the target bit for bit when an online floating value is NaN or Inf. A CPU
-  target is checked on the host before writing (``copy_correct._finite_check``: one read of the online weights, no
+  target is checked on the host before writing (``copy_correct.guards.host``: one read of the online weights, no
   staging copy), so a skip writes nothing and raises no version; on CUDA the device decides
-  (``copy_correct._nonfinite``: a staging copy, no sync). ``skipped_updates`` counts the skips; the cost is on the
+  (``copy_correct.guards.device``: a staging copy, no sync). ``skipped_updates`` counts the skips; the cost is on the
   dqn recipe's page. Not for sharded networks: each rank would decide on its own shards.
 * ``torch.compile``, ``DataParallel`` and DDP wrappers are looked through; the pair's lists hold the target's modules
   weakly, so a dropped target is freed. A parent's ``.train()`` also switches the target: ``recipes/dqn.py`` keeps it
@@ -39,14 +39,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from copy_correct._checks import flag, module, number
-from copy_correct._finite_check import FiniteCheck
-from copy_correct._foreach_writes import foreach_copy_, foreach_lerp_
-from copy_correct._module_tensors import DATA_PTR, TensorRefs, state_entries, unwrap
-from copy_correct._nonfinite import TARGET_GUARDS, NonFiniteGuard
-from copy_correct._sharding import fsdp_modules, is_sharded, layout, reshard
-from copy_correct._torch_internals import set_grad_enabled
+from copy_correct.core.checks import flag, module, number
+from copy_correct.core.foreach_writes import foreach_copy_, foreach_lerp_
+from copy_correct.core.module_tensors import DATA_PTR, TensorRefs, state_entries, unwrap
+from copy_correct.core.sharding import fsdp_modules, is_sharded, layout, reshard
+from copy_correct.core.torch_internals import set_grad_enabled
 from copy_correct.decay_schedule import DecaySchedule
+from copy_correct.guards.device import TARGET_GUARDS, NonFiniteGuard
+from copy_correct.guards.host import FiniteCheck
 
 __all__ = ["hard_update", "make_target", "soft_update"]
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from copy_correct import _checks
+import copy_correct.core.checks as _checks
 from copy_correct.decay_schedule import warmup_name
 
 __all__ = [

@@ -8,7 +8,7 @@ which averaging pays, and every validation runs twice, with the EMA weights (``v
 (``val/acc``): ``summary.json`` holds both accuracies. This module holds no EMA code: the EMA is the callback
 ``callbacks.ema`` in ``conf/recipe/ema.yaml`` attaches, ``EMAWeights`` (``copy_correct/lightning/ema_weights.py``),
 and it enters in four of that class's methods, in the order Lightning calls them:
-  * ``on_fit_start``: ``EMA(pl_module, decay=...)`` (``copy_correct/ema.py``), a shadow of every parameter and
+  * ``on_fit_start``: ``EMA(pl_module, decay=...)`` (``copy_correct/averages/ema.py``), a shadow of every parameter and
     BatchNorm statistic in tensors of its own: no deep copy of the module, nothing added to ``parameters()`` or the
     optimiser.
   * ``on_train_batch_end``, after each optimizer step: ``ema.update(pl_module)``, one in-place ``_foreach_lerp_`` per

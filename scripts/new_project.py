@@ -10,7 +10,7 @@ run, ``pyproject.toml`` and a README naming what to change first. Nothing is lis
   the starter gets a ``copy_correct/__init__.py`` that exports only the names of the modules it has. A
   subpackage that re-exports (``copy_correct/lightning/``, ``copy_correct/probes/``) is reduced the same way, and
   comes only when one of its modules does.
-* A copied module's own test (``OWN_TESTS``: ``copy_correct/ema.py`` -> ``tests/parts/test_ema.py``,
+* A copied module's own test (``OWN_TESTS``: ``copy_correct/averages/ema.py`` -> ``tests/parts/test_ema.py``,
   ``copy_correct/lightning/ema_weights.py`` -> ``tests/lightning/test_ema_weights.py``) comes with it, and with
   the modules it needs (the probes it measures with), unless it needs a recipe or a script.
 * A command that belongs with a copied module (``COMMANDS``: ``PostHocEMASnapshots`` -> ``copy-correct posthoc``,
@@ -45,10 +45,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = "tests"
+ROOMS = ("averages", "core", "files", "guards", "loading", "replay")  # the tensor parts' subpackages
 # Where a module's own test lives: the test tree follows the package's (``copy_correct/lightning/x.py`` ->
 # ``tests/lightning/test_x.py``).
 OWN_TESTS = {
     "copy_correct": f"{TESTS}.parts",
+    **{f"copy_correct.{room}": f"{TESTS}.parts" for room in ROOMS},
     "copy_correct.lightning": f"{TESTS}.lightning",
     "copy_correct.probes": f"{TESTS}.probes",
     "recipes": f"{TESTS}.recipes",
@@ -94,7 +96,8 @@ class Needs:
 
 
 class SourceTree:
-    """Our first-party modules (``train``, ``copy_correct.ema``, ``tests.workers.ddp_ema``) and what each needs."""
+    """Our first-party modules (``train``, ``copy_correct.averages.ema``, ``tests.workers.ddp_ema``) and what each
+    needs."""
 
     def __init__(self, root: Path) -> None:
         self.root = root

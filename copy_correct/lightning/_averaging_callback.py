@@ -18,9 +18,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from copy_correct._nonfinite import skipped_updates
-from copy_correct._sharding import is_sharded
+from copy_correct.core.sharding import is_sharded
 from copy_correct.errors import CheckpointMismatch
+from copy_correct.guards.device import skipped_updates
 from copy_correct.lightning._rank_zero_buffers import RankZeroBuffers
 from copy_correct.lightning._skip_log import SkipLog
 

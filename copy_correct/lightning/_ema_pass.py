@@ -16,7 +16,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-from copy_correct.ema import EMA
+from copy_correct.averages.ema import EMA
 from copy_correct.lightning._lightning_internals import LogMetrics
 
 __all__ = ["EMAPass", "held_back", "logged_with"]

@@ -18,9 +18,9 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 
-from copy_correct._flat import flat_views
-from copy_correct._foreach_writes import foreach_copy_
-from copy_correct._module_tensors import TensorRefs, state_entries
+from copy_correct.core.flat import flat_views
+from copy_correct.core.foreach_writes import foreach_copy_
+from copy_correct.core.module_tensors import TensorRefs, state_entries
 
 __all__ = ["RankZeroBuffers"]
 

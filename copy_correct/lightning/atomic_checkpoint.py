@@ -14,11 +14,11 @@ Copy contract:
 * An exception while writing removes the temporary file and leaves the target as it was; a SIGKILL leaves the
   hidden temporary file, which nothing reads. The writer's PID in the name keeps two processes writing one path
   apart: each renames a whole checkpoint, the last wins. A full filesystem is one ``DiskFull`` line
-  (``copy_correct.disk_full``), the temporary file removed. Paths that are not local files (``s3://...``) go
+  (``copy_correct.files.disk_full``), the temporary file removed. Paths that are not local files (``s3://...``) go
   through Lightning's own implementation.
 
 Loading (``load_checkpoint``, what ``trainer.fit(ckpt_path=...)`` reads through) first checks a local file against its
-digests (``copy_correct._file_digest.verify_file``: ``DamagedFile``, one line naming the file, for a damaged, cut
+digests (``copy_correct.files.digest.verify_file``: ``DamagedFile``, one line naming the file, for a damaged, cut
 short or foreign file), then is Lightning's, with ``weights_only`` as the trainer passes it (``train.py``: ``True``).
 """
 
@@ -31,8 +31,8 @@ from fsspec.implementations.local import LocalFileSystem
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 
-from copy_correct._atomic_save import atomic_save
-from copy_correct._file_digest import verify_file
+from copy_correct.files.atomic_save import atomic_save
+from copy_correct.files.digest import verify_file
 
 __all__ = ["AtomicCheckpointIO"]
 

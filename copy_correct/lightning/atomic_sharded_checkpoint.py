@@ -7,7 +7,7 @@ Copy contract:
 * New storage, on disk only: every rank writes its shards straight into ``.NAME.tmp-PID`` beside the target (rank 0's
   PID, broadcast) by Lightning's own save (``torch.distributed.checkpoint`` streams each shard from its storage to a
   file and ``fsync``-s it), rank 0 ``meta.pt`` last; nothing is held in memory beyond what that save holds. Rank 0
-  then writes ``digests.json`` (size and CRC-32 of every file, ``copy_correct._shard_digest``: one more read, from
+  then writes ``digests.json`` (size and CRC-32 of every file, ``copy_correct.files.shard_digest``: one more read, from
   the page cache), which resume and ``copy-correct posthoc`` verify.
 * Put in place by rank 0: ``renameat2(RENAME_EXCHANGE)`` swaps it with the previous checkpoint (a directory, a file
   or a link) in one atomic rename, the previous one is removed and the parent ``fsync``-ed; every rank waits for that.
@@ -41,8 +41,8 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities import rank_zero_warn
 
-from copy_correct._atomic_save import fsync_directory
-from copy_correct._shard_digest import write_digests
+from copy_correct.files.atomic_save import fsync_directory
+from copy_correct.files.shard_digest import write_digests
 from copy_correct.lightning._lightning_internals import DISTRIBUTED_CHECKPOINT, check, saves_distributed_checkpoint
 from copy_correct.lightning.resume import DISTRIBUTED_METADATA
 

@@ -4,12 +4,12 @@ account, each claim with its test; the scale-out guide has the sharded one.
 
 Copy contract:
 
-* Shared with the module: nothing. The shadow is the ``EMA``'s own tensors (``copy_correct.ema``), never a deep copy
-  of the LightningModule and never in its ``parameters()``. A checkpoint of ``checkpoint_weights="ema"`` (the default,
-  so ``load_from_checkpoint`` returns the average) holds the shadow's own tensors as its weights, so ``torch.save``
-  writes them once for both entries where the dtypes agree; the live weights it replaced go into the callback state,
-  from which ``fit(ckpt_path=...)`` copies them back into the module in place. Names are the LightningModule's
-  (``generator.net.0.weight``) in the weights and in the EMA state.
+* Shared with the module: nothing. The shadow is the ``EMA``'s own tensors (``copy_correct.averages.ema``), never a deep
+  copy of the LightningModule and never in its ``parameters()``. A checkpoint of ``checkpoint_weights="ema"`` (the
+  default, so ``load_from_checkpoint`` returns the average) holds the shadow's own tensors as its weights, so
+  ``torch.save`` writes them once for both entries where the dtypes agree; the live weights it replaced go into the
+  callback state, from which ``fit(ckpt_path=...)`` copies them back into the module in place. Names are the
+  LightningModule's (``generator.net.0.weight``) in the weights and in the EMA state.
 * New storage: one backup of the live values for the length of an evaluation with the average (``average_weights``).
 * Autograd sees nothing: the update runs after each optimizer step (once per ``accumulate_grad_batches`` batches,
   counted from the step Lightning restored), in place under ``no_grad``. Nothing an evaluation pass writes into the
@@ -36,9 +36,9 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from copy_correct._average_settings import ema_settings
-from copy_correct._sharding import is_sharded, local, local_part, reshard
-from copy_correct.ema import EMA
+from copy_correct.averages.ema import EMA
+from copy_correct.averages.settings import ema_settings
+from copy_correct.core.sharding import is_sharded, local, local_part, reshard
 from copy_correct.errors import CheckpointMismatch
 from copy_correct.lightning._averaging_callback import AveragingCallback, distributed, named_as_the_module
 from copy_correct.lightning._distributed_state import names_keys, read_into, store_under_keys
@@ -131,8 +131,8 @@ class EMAWeights(AveragingCallback):
 
     def __getstate__(self) -> dict[str, Any]:
         """What ``pickle`` and ``copy.deepcopy`` copy: the settings, the step and the EMA (a copy that tracks no model
-        until the next ``fit``, ``validate`` or ``test`` gives it the module: ``copy_correct.ema``), not the trainer,
-        the wrappers ``setup`` installed in it, nor an evaluation in progress."""
+        until the next ``fit``, ``validate`` or ``test`` gives it the module: ``copy_correct.averages.ema``), not the
+        trainer, the wrappers ``setup`` installed in it, nor an evaluation in progress."""
         return {**super().__getstate__(), "_wrapped": [], "_in_run": False, "_pass": None}
 
     # -- wiring the evaluation passes -------------------------------------------------------------------

@@ -28,7 +28,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from copy_correct._checks import integer
+from copy_correct.core.checks import integer
 
 __all__ = ["NonFiniteStop", "NonFiniteTraining"]
 

@@ -6,17 +6,17 @@ which ``load_from_checkpoint`` reads; ``synthesize(RUN_DIR, sigma_rel=0.08)`` gi
 
 Copy contract:
 
-* Shared with the module: nothing. The profiles are the ``PowerEMA``'s own tensors (``copy_correct.power_ema``),
-  never a deep copy of the module nor in its ``parameters()``; the module's weights are only read (a sharded model's
-  floating buffers excepted: rank 0's are copied into every rank before each update, as ``EMAWeights`` does, since
-  FSDP2 never synchronises them). Checkpoints keep the live weights as Lightning saves them, and the ``PowerEMA``
-  state in the callback state (tensors and numbers only), so ``fit(ckpt_path=...)`` continues the profiles and the
-  snapshots bit for bit.
+* Shared with the module: nothing. The profiles are the ``PowerEMA``'s own tensors
+  (``copy_correct.averages.power_ema``), never a deep copy of the module nor in its ``parameters()``; the module's
+  weights are only read (a sharded model's floating buffers excepted: rank 0's are copied into every rank before each
+  update, as ``EMAWeights`` does, since FSDP2 never synchronises them). Checkpoints keep the live weights as Lightning
+  saves them, and the ``PowerEMA`` state in the callback state (tensors and numbers only), so ``fit(ckpt_path=...)``
+  continues the profiles and the snapshots bit for bit.
 * New storage: each snapshot, written atomically by global rank 0 (by every rank, of its shards, when sharded) every
   ``snapshot_every`` optimizer steps and once more when ``fit`` ends off that schedule (``"final": True``, removed by
   a resumed run once it writes a later one). Names are the LightningModule's (``generator.net.0.weight``), and a
   snapshot of a submodule says which (``module``). A run resumed into another directory first carries the earlier
-  snapshots of its history over, as hard links where the filesystem allows (``copy_correct._link_or_copy``), so its
+  snapshots of its history over, as hard links where the filesystem allows (``copy_correct.files.link_or_copy``), so its
   directory stands alone; each snapshot names the one before it (``previous``), so that a gap can be found.
 * Autograd sees nothing: the update runs after each optimizer step (``update_every`` and ``snapshot_every`` count
   them, from the step Lightning restored), in place, with no allocation and no host read.
@@ -35,15 +35,15 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from copy_correct._atomic_save import atomic_save
-from copy_correct._average_settings import power_ema_settings
-from copy_correct._link_or_copy import link_or_copy
-from copy_correct._sharding import is_sharded, layout
+from copy_correct.averages.posthoc import load_snapshot, snapshot_paths
+from copy_correct.averages.power_ema import PowerEMA, snapshot_name
+from copy_correct.averages.settings import power_ema_settings
+from copy_correct.core.sharding import is_sharded, layout
+from copy_correct.files.atomic_save import atomic_save
+from copy_correct.files.link_or_copy import link_or_copy
 from copy_correct.lightning._averaging_callback import AveragingCallback, distributed
 from copy_correct.lightning._distributed_state import read_into, store_under_keys
 from copy_correct.lightning._skip_log import SkipLog
-from copy_correct.posthoc_ema import load_snapshot, snapshot_paths
-from copy_correct.power_ema import PowerEMA, snapshot_name
 
 __all__ = ["PostHocEMASnapshots"]
 

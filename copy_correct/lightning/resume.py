@@ -18,9 +18,9 @@ Copy contract (no tensor of the model is read or written; autograd sees nothing)
   uninterrupted run went on: each rank takes its own entry, and the data order is restored. A rank with no entry
   (more processes than wrote the checkpoint) keeps fresh states, with a warning that the resume is not exact.
 * ``check_checkpoint(path, recipe, seed)`` reads the same stamp from a file or a distributed checkpoint's ``meta.pt``,
-  each file checked against its digests first and loaded with ``weights_only=True`` (``copy_correct.checked_load``,
-  ``copy_correct._shard_digest``), so a wrong, damaged or crafted ``ckpt_path`` is refused in one line naming the
-  file before anything is built.
+  each file checked against its digests first and loaded with ``weights_only=True``
+  (``copy_correct.files.checked_load``, ``copy_correct.files.shard_digest``), so a wrong, damaged or crafted
+  ``ckpt_path`` is refused in one line naming the file before anything is built.
 
 The rest of a run's state belongs to whoever owns it (a module its environment, replay buffer and own generators).
 What stays inexact is listed in the resume guide.
@@ -36,8 +36,8 @@ import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_warn
 
-from copy_correct._shard_digest import verify_directory
-from copy_correct.checked_load import load_checked
+from copy_correct.files.checked_load import load_checked
+from copy_correct.files.shard_digest import verify_directory
 from copy_correct.lightning.resume_data_order import TrainDataOrder
 from copy_correct.lightning.rng_state import get_rng_state, set_rng_state
 

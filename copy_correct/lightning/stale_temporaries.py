@@ -1,5 +1,5 @@
 """``StaleTemporaries``: when training starts, remove the temporary files that killed writers left in the run's
-checkpoint folders and in the folder of the checkpoint it resumes from (``copy_correct._stale_temporaries``).
+checkpoint folders and in the folder of the checkpoint it resumes from (``copy_correct.files.stale_temporaries``).
 
 Which folders: the ``dirpath`` of every checkpoint callback of this trainer (a fresh run's are new and empty; a run
 of one's own Trainer that reuses its folder finds its earlier kills' files there) and the folder of
@@ -19,7 +19,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 
-from copy_correct._stale_temporaries import remove_stale_temporaries
+from copy_correct.files.stale_temporaries import remove_stale_temporaries
 
 __all__ = ["StaleTemporaries"]
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
-from copy_correct._torch_internals import TorchDispatchMode, op_schema, tree_leaves
+from copy_correct.core.torch_internals import TorchDispatchMode, op_schema, tree_leaves
 
 # In-place ops that change metadata (shape, strides, storage pointer), not data.
 _METADATA_ONLY = frozenset(

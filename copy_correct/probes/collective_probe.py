@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from copy_correct._torch_internals import TorchDispatchMode, tree_leaves
+from copy_correct.core.torch_internals import TorchDispatchMode, tree_leaves
 
 __all__ = ["CollectiveProbe"]
 

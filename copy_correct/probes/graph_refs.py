@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.autograd.function import BackwardCFunction
 
-from copy_correct._torch_internals import READS_PACKED, saved_value
+from copy_correct.core.torch_internals import READS_PACKED, saved_value
 
 __all__ = ["find_graph_refs", "graph_bytes"]
 

@@ -31,7 +31,7 @@ from sklearn.datasets import load_digits
 from torch import nn, optim
 from torch.utils.data import DataLoader, TensorDataset
 
-import copy_correct._module_tensors as _module_tensors
+import copy_correct.core.module_tensors as _module_tensors
 from copy_correct import EMA, ReplayBuffer, make_target, soft_update
 from copy_correct.probes import GraphRetentionGuard, MemoryProbe, find_graph_refs
 

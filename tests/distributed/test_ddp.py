@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from copy_correct.posthoc_ema import load_snapshot
+from copy_correct.averages.posthoc import load_snapshot
 from tests.conftest import ROOT, child_env, free_port
 
 SHORT = {

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from copy_correct import PowerEMA, synthesize
-from copy_correct.posthoc_command import join_shards, posthoc
-from copy_correct.posthoc_ema import load_snapshot, snapshot_paths
+from copy_correct.averages.posthoc import load_snapshot, snapshot_paths
+from copy_correct.averages.posthoc_command import join_shards, posthoc
 from tests.conftest import ROOT, child_env, run_rank_script
 
 STEPS = 16  # 4 epochs of 4 optimizer steps

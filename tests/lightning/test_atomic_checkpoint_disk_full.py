@@ -20,10 +20,10 @@ from typing import Any
 import pytest
 import torch
 
-from copy_correct import _atomic_save
-from copy_correct._atomic_save import atomic_save
-from copy_correct._file_digest import verify_file
-from copy_correct.disk_full import DiskFull
+import copy_correct.files.atomic_save as _atomic_save
+from copy_correct.files.atomic_save import atomic_save
+from copy_correct.files.digest import verify_file
+from copy_correct.files.disk_full import DiskFull
 from copy_correct.lightning import AtomicCheckpointIO
 from tests.conftest import ROOT, child_env
 
@@ -84,7 +84,7 @@ def test_a_write_refused_part_way_is_one_line_and_leaves_the_last_good_checkpoin
     path = tmp_path / "last.ckpt"
     save(checkpoint(1.0), path)
     before = path.read_bytes()
-    monkeypatch.setattr("copy_correct.disk_full.shutil.disk_usage", lambda _: Free())
+    monkeypatch.setattr("copy_correct.files.disk_full.shutil.disk_usage", lambda _: Free())
     fill_after(monkeypatch, room=300_000)
     with pytest.raises(DiskFull) as refused:
         save(checkpoint(2.0), path)
@@ -132,7 +132,7 @@ def test_a_full_disk_at_fsync_is_a_full_disk_and_another_error_is_not_one(
 
 RUN_FULL = """
 import errno, os, runpy, sys
-from copy_correct import _atomic_save
+import copy_correct.files.atomic_save as _atomic_save
 from tests.lightning.test_atomic_checkpoint_disk_full import FillingFile
 room, writer = int(sys.argv[1]), sys.argv[2]
 if writer == "checkpoint":

@@ -232,8 +232,8 @@ def test_a_directory_is_written_with_the_digests_of_its_files_which_loads_check(
 
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    from copy_correct._shard_digest import verify_directory
-    from copy_correct.posthoc_command import read_checkpoint
+    from copy_correct.averages.posthoc_command import read_checkpoint
+    from copy_correct.files.shard_digest import verify_directory
 
     path = tmp_path / "last.ckpt"
     strategy(True).save_checkpoint(state(1.0), path)

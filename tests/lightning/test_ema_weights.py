@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from copy_correct import EMA
-from copy_correct._weight_swap import swap_in, swap_out
+from copy_correct.averages.weight_swap import swap_in, swap_out
 from copy_correct.lightning import EMAWeights, IsolatedEvaluation
 from copy_correct.lightning._ema_pass import EMAPass
 from copy_correct.probes import shares_storage

@@ -19,9 +19,9 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from copy_correct import PowerEMA, synthesize
+from copy_correct.averages.posthoc import load_snapshot, snapshot_paths
+from copy_correct.averages.snapshot_history import check_snapshot_history, snapshot_gaps
 from copy_correct.lightning import PostHocEMASnapshots
-from copy_correct.posthoc_ema import load_snapshot, snapshot_paths
-from copy_correct.snapshot_history import check_snapshot_history, snapshot_gaps
 from tests.conftest import ROOT, child_env, free_port
 
 COMMAND = [sys.executable, "-m", "copy_correct", "posthoc"]  # copy-correct posthoc, from this checkout
@@ -324,7 +324,7 @@ def test_a_state_spread_otherwise_than_the_model_is_refused_naming_both() -> Non
 
 
 def test_the_command_refuses_rank_files_of_several_world_sizes_or_a_rank_that_missed_a_step(tmp_path: Path) -> None:
-    from copy_correct.posthoc_command import rank_paths
+    from copy_correct.averages.posthoc_command import rank_paths
 
     for name in (
         "power-ema-000000002-rank0of2.pt",

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from copy_correct import PowerEMA, skipped_updates
+from copy_correct.averages.posthoc import snapshot_paths
 from copy_correct.lightning import PostHocEMASnapshots
 from copy_correct.lightning._skip_log import SkipLog
-from copy_correct.posthoc_ema import snapshot_paths
 from tests.lightning import test_posthoc_ema_snapshots
 from tests.lightning.test_posthoc_ema_snapshots import Regressor, fit
 

@@ -154,7 +154,7 @@ def test_a_distributed_checkpoint_is_checked_by_its_meta_pt(tmp_path: Path) -> N
     ``digests.json``, without which the shards cannot be verified."""
     import torch.distributed.checkpoint as dcp
 
-    from copy_correct._shard_digest import write_digests
+    from copy_correct.files.shard_digest import write_digests
 
     directory = tmp_path / "last.ckpt"
     directory.mkdir()

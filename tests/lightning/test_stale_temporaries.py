@@ -15,8 +15,8 @@ import lightning.pytorch as pl
 import pytest
 from lightning.pytorch.demos.boring_classes import BoringModel
 
-from copy_correct import _stale_temporaries
-from copy_correct._stale_temporaries import is_live, remove_stale_temporaries
+import copy_correct.files.stale_temporaries as _stale_temporaries
+from copy_correct.files.stale_temporaries import is_live, remove_stale_temporaries
 from copy_correct.lightning import LastCheckpoint, StaleTemporaries
 
 

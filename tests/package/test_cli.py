@@ -4,7 +4,7 @@ LightningModule (``USER_CODE``, written to that folder, not one of our recipes) 
 for fewer steps than its ``snapshot_every``; the fit's final snapshot is what ``copy-correct posthoc`` synthesizes
 from, and ``Module.load_from_checkpoint`` reads the checkpoint it writes as the synthesized weights (so do the four
 lines of Python the callback's docstring gives). ``python -m copy_correct`` is the same command;
-``python -m copy_correct.posthoc_ema``, a library module, says which command to run and fails; a folder with no
+``python -m copy_correct.averages.posthoc``, a library module, says which command to run and fails; a folder with no
 snapshots and bad arguments stop with status 2 and one line naming the path searched and the file patterns, and a
 history with a snapshot missing stops the same way, naming it; so do a ``--step`` past the last snapshot or before the
 first (naming both steps), two widths of one file name and a ``--checkpoint`` that does not exist. A width given twice
@@ -21,9 +21,10 @@ from types import ModuleType
 import pytest
 import torch
 
-from copy_correct import cli, posthoc_command, synthesize
+import copy_correct.averages.posthoc_command as posthoc_command
+from copy_correct import cli, synthesize
+from copy_correct.averages.posthoc import SNAPSHOT_PATTERNS, load_snapshot, snapshot_paths
 from copy_correct.cli import main
-from copy_correct.posthoc_ema import SNAPSHOT_PATTERNS, load_snapshot, snapshot_paths
 from tests.conftest import env_without_checkout
 from tests.parts.test_snapshot_history import write_history
 
@@ -129,11 +130,11 @@ def test_python_dash_m_copy_correct_is_the_same_command(user_run: Path) -> None:
 
 def test_the_library_module_run_as_a_command_fails_naming_the_command(user_run: Path) -> None:
     before = sorted(p.name for p in (user_run / "run" / "checkpoints").iterdir())
-    result = run(sys.executable, "-m", "copy_correct.posthoc_ema", "run", "--sigma-rel", "0.08", cwd=user_run)
+    result = run(sys.executable, "-m", "copy_correct.averages.posthoc", "run", "--sigma-rel", "0.08", cwd=user_run)
     assert result.returncode != 0
     # The last line is ours (Python's runpy may warn before it that the package imported the module).
     assert result.stderr.splitlines()[-1] == (
-        "copy_correct.posthoc_ema is not a command: run `copy-correct posthoc RUN_DIR --sigma-rel 0.08`"
+        "copy_correct.averages.posthoc is not a command: run `copy-correct posthoc RUN_DIR --sigma-rel 0.08`"
     )
     assert sorted(p.name for p in (user_run / "run" / "checkpoints").iterdir()) == before  # nothing written
 
@@ -222,8 +223,8 @@ def test_a_step_out_of_the_snapshots_range_is_refused_naming_both_steps_and_noth
     assert written(run_dir) == ["posthoc-ema-sigma0.100-step000000120.ckpt"]
 
     # The control: without the range check, --step 999 wrote a checkpoint saying step 999 from snapshots up to 200.
-    monkeypatch.setattr("copy_correct.posthoc_command.target_step", lambda steps, step: step)
-    monkeypatch.setattr("copy_correct.posthoc_ema.target_step", lambda steps, step: step or max(steps))
+    monkeypatch.setattr("copy_correct.averages.posthoc_command.target_step", lambda steps, step: step)
+    monkeypatch.setattr("copy_correct.averages.posthoc.target_step", lambda steps, step: step or max(steps))
     assert main(["posthoc", str(run_dir), "--sigma-rel", "0.1", "--step", "999"]) == 0
     path = run_dir / "checkpoints" / "posthoc-ema-sigma0.100-step000000999.ckpt"
     assert torch.load(path, weights_only=True)["global_step"] == 999  # the last snapshot is of step 200

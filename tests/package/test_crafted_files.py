@@ -23,12 +23,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from copy_correct import PowerEMA
-from copy_correct._shard_digest import write_digests
-from copy_correct.checked_load import hyperparameter_classes, load_checked
+from copy_correct.averages.posthoc import load_snapshot, synthesize
+from copy_correct.averages.posthoc_command import read_checkpoint
 from copy_correct.cli import main
+from copy_correct.files.checked_load import hyperparameter_classes, load_checked
+from copy_correct.files.shard_digest import write_digests
 from copy_correct.lightning import ResumeState, check_checkpoint
-from copy_correct.posthoc_command import read_checkpoint
-from copy_correct.posthoc_ema import load_snapshot, synthesize
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
 

@@ -32,9 +32,9 @@ PROBE_HALVES = {f"{LIGHTNING}.step_probe", f"{LIGHTNING}.graph_guard"}
 TENSOR_THIRD_PARTY = {"torch", "numpy"}
 # Optional packages a module does without (an ImportError caught): no dependency of its layer.
 # checked_load.hyperparameter_classes imports OmegaConf only when called: the allowlist for a Lightning checkpoint's
-# DictConfig hyperparameters (a checkpoint that holds them was written where OmegaConf is installed). _file_digest
+# DictConfig hyperparameters (a checkpoint that holds them was written where OmegaConf is installed). files.digest
 # takes ISA-L's CRC-32 where the fast-digest extra installed it, else zlib's, the same function.
-OPTIONAL = {f"{PACKAGE}.checked_load": {"omegaconf"}, f"{PACKAGE}._file_digest": {"isal"}}
+OPTIONAL = {f"{PACKAGE}.files.checked_load": {"omegaconf"}, f"{PACKAGE}.files.digest": {"isal"}}
 FRAMEWORKS = {"lightning", "pytorch_lightning", "torchmetrics"}
 
 
@@ -84,17 +84,17 @@ def problems(tree: SourceTree) -> dict[str, list[str]]:
 
 
 def test_without_isal_the_digests_are_zlibs_and_the_same() -> None:
-    """What ``OPTIONAL`` lets through for ``_file_digest``: without isal the package imports and seals with zlib's
+    """What ``OPTIONAL`` lets through for ``files.digest``: without isal the package imports and seals with zlib's
     CRC-32, which verifies the same file (the control: with isal installed here, it is ISA-L's that runs)."""
     code = (
         "import sys, tempfile, pathlib, torch; sys.modules['isal'] = None; sys.modules['isal.isal_zlib'] = None; "
-        "from copy_correct import _file_digest as d; from copy_correct._atomic_save import atomic_save; "
+        "from copy_correct.files import digest as d; from copy_correct.files.atomic_save import atomic_save; "
         "assert d.CRC32 == 'zlib', d.CRC32; "
         "p = pathlib.Path(tempfile.mkdtemp()) / 'a.pt'; atomic_save({'w': torch.ones(9)}, p); d.verify_file(p)"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
-    from copy_correct import _file_digest
+    import copy_correct.files.digest as _file_digest
 
     assert _file_digest.CRC32 == "isal"  # the control: the README's install (dev) takes the fast-digest extra
 
@@ -103,7 +103,7 @@ def test_a_lazy_optional_import_is_imported_only_when_called_and_not_needed() ->
     """What ``OPTIONAL`` lets through for ``checked_load``: importing the module imports no OmegaConf, and without
     OmegaConf the call returns an empty allowlist (the control: the call with OmegaConf imports it)."""
     code = (
-        "import sys; import copy_correct.checked_load as c; assert 'omegaconf' not in sys.modules; "
+        "import sys; import copy_correct.files.checked_load as c; assert 'omegaconf' not in sys.modules; "
         "assert c.hyperparameter_classes() and 'omegaconf' in sys.modules; "
         "sys.modules['omegaconf'] = None; assert c.hyperparameter_classes() == ()"
     )
@@ -113,7 +113,7 @@ def test_a_lazy_optional_import_is_imported_only_when_called_and_not_needed() ->
 
 def test_each_layer_imports_only_what_it_may() -> None:
     tree = SourceTree(ROOT)
-    assert {"copy_correct.ema", "copy_correct.target", "copy_correct.replay"} <= set(modules_of(tree, PACKAGE))
+    assert {"copy_correct.averages.ema", "copy_correct.target", "copy_correct.replay.buffer"} <= set(tree.paths)
     assert {f"{LIGHTNING}.ema_weights", f"{LIGHTNING}.resume"} | PROBE_HALVES <= set(modules_of(tree, LIGHTNING))
     assert {f"{PROBES}.copy_audit", f"{PROBES}.memory_probe", f"{PROBES}.graph_guard"} <= set(modules_of(tree, PROBES))
     assert problems(tree) == {}

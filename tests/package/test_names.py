@@ -26,8 +26,8 @@ RETIRED = {
     r"\b(?:PostHocEMA|EMA|GraphRetention)Callback\b": "PostHocEMASnapshots, EMAWeights, GraphRetentionCheck",
     r"\b(?:posthoc_)?ema_callback\b": "copy_correct/lightning/ema_weights.py, posthoc_ema_snapshots.py",
     # The maths helpers left the top level for their submodule (synthesis_coefficients came up beside synthesize).
-    rf"\bcopy_correct\.(?:{MATHS})\b": "copy_correct.power_function",
-    rf"\bfrom\s+copy_correct\s+import\s+(?:\([\w\s,]*|[\w ,]*)\b(?:{MATHS})\b": "copy_correct.power_function",
+    rf"\bcopy_correct\.(?:{MATHS})\b": "copy_correct.averages.power_function",
+    rf"\bfrom\s+copy_correct\s+import\s+(?:\([\w\s,]*|[\w ,]*)\b(?:{MATHS})\b": "copy_correct.averages.power_function",
 }
 TEXT = (".py", ".md", ".yaml", ".yml", ".toml", ".sh", ".txt", ".cfg", ".ini", ".js", ".css", ".html")
 THIS_FILE = Path(__file__).resolve().relative_to(ROOT).as_posix()
@@ -92,6 +92,7 @@ def test_control_the_new_names_and_the_plain_word_pass(tmp_path: Path) -> None:
     (tmp_path / "x.md").write_text(
         "Small components whose copies are proven. `from copy_correct import EMA`; `recipes/data/digits.py`;\n"
         "`python -m benchmarks.ema`; [a test](tests/parts/test_ema.py); `tests/workers/ddp_ema.py`.\n"
-        "`from copy_correct.power_function import sigma_rel_to_gamma, solve_coefficients`; `synthesis_coefficients`.\n"
+        "`from copy_correct.averages.power_function import sigma_rel_to_gamma, solve_coefficients`; "
+        "`synthesis_coefficients`.\n"
     )
     assert stale_names(tmp_path, ["x.md"]) == []

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from copy_correct import EMA, skipped_updates
-from copy_correct._finite_check import FiniteCheck
+from copy_correct.guards.host import FiniteCheck
 from copy_correct.probes import CopyAudit, MemoryProbe
 from tests.conftest import DEVICES
 from tests.cuda_sync import no_host_sync
@@ -206,7 +206,7 @@ def test_start_step_copies_and_update_every_hold_and_the_warmup_restarts_where_i
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_guarded_update_allocates_nothing_and_writes_only_when_it_averages(device: str) -> None:
     """Zero bytes allocated by a clean update and by a skipped one, and no tensor made even inside a kernel (a
-    reduction to one element of a large tensor allocates its per-thread buffer: ``copy_correct._finite_check``). A
+    reduction to one element of a large tensor allocates its per-thread buffer: ``copy_correct.guards.host``). A
     clean update raises each shadow tensor's version by one; a skipped one writes nothing on the CPU (decided on the
     host), and on CUDA runs every kernel with the flag (each version +1)."""
     model = net(device)

@@ -24,14 +24,15 @@ import torch
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 
-from copy_correct import _atomic_save, _file_digest
-from copy_correct._atomic_save import atomic_save
-from copy_correct._file_digest import verify_file
-from copy_correct._shard_digest import verify_directory, write_digests
-from copy_correct.checked_load import load_checked, verify_checkpoint
+import copy_correct.files.atomic_save as _atomic_save
+import copy_correct.files.digest as _file_digest
+from copy_correct.averages.posthoc import load_snapshot, synthesize
 from copy_correct.cli import main
+from copy_correct.files.atomic_save import atomic_save
+from copy_correct.files.checked_load import load_checked, verify_checkpoint
+from copy_correct.files.digest import verify_file
+from copy_correct.files.shard_digest import verify_directory, write_digests
 from copy_correct.lightning import AtomicCheckpointIO, ResumeState, check_checkpoint
-from copy_correct.posthoc_ema import load_snapshot, synthesize
 from tests.package.test_crafted_files import run_dir
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")

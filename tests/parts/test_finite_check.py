@@ -1,4 +1,4 @@
-"""``FiniteCheck`` (``copy_correct._finite_check``), the CPU guard's decision, on every kind of tensor it plans for: a
+"""``FiniteCheck`` (``copy_correct.guards.host``), the CPU guard's decision, on every kind of tensor it plans for: a
 NaN, an Inf or a -Inf anywhere is found, a finite tensor whose sum overflows is not taken for one, and no call
 allocates, not even inside a kernel. Each claim has its control."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from copy_correct._finite_check import _GEMV, GRAIN, FiniteCheck
+from copy_correct.guards.host import _GEMV, GRAIN, FiniteCheck
 from copy_correct.probes import MemoryProbe
 
 MAKERS = {"aten::empty", "aten::empty_strided", "aten::empty_like", "aten::_to_copy", "aten::clone", "aten::zeros"}

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from copy_correct import FrameReplayBuffer, _n_step
+import copy_correct.replay.n_step as _n_step
+from copy_correct import FrameReplayBuffer
 from tests.parts.test_frame_replay import MODES, vector_envs
 
 GAMMA = 0.9

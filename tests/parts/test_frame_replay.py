@@ -16,8 +16,9 @@ import pytest
 import torch
 from gymnasium.vector import AutoresetMode
 
-import copy_correct.frame_replay as frame_replay
-from copy_correct import FrameReplayBuffer, ReplayBuffer, _replay_frames
+import copy_correct.replay.frame_buffer as frame_replay
+import copy_correct.replay.frame_writes as _replay_frames
+from copy_correct import FrameReplayBuffer, ReplayBuffer
 
 FRAME = (3, 4)  # small frames: the layout is what is proven, not the size
 STACK = 4

@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 import torch
 
-import copy_correct._frame_store as frame_store
-import copy_correct.frame_replay as frame_replay
+import copy_correct.replay.frame_buffer as frame_replay
+import copy_correct.replay.frame_store as frame_store
 from copy_correct import FrameReplayBuffer, SampleAhead
 from tests.conftest import ROOT
 from tests.parts.test_frame_replay import FRAME, MODES, STACK, play, vector_envs
@@ -122,8 +122,8 @@ RSS_SCRIPT = """
 import sys
 from pathlib import Path
 import numpy as np
-import copy_correct._frame_store as frame_store
-import copy_correct.frame_replay as frame_replay
+import copy_correct.replay.frame_store as frame_store
+import copy_correct.replay.frame_buffer as frame_replay
 from copy_correct import FrameReplayBuffer
 
 class ObjectPerFrame(frame_store.CompressedFrames):  # the control: each frame a bytes object in a list

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from copy_correct import ReplayBuffer, _n_step
+import copy_correct.replay.n_step as _n_step
+from copy_correct import ReplayBuffer
 
 GAMMA = 0.9
 

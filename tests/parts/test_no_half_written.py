@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-import copy_correct._shadow as _shadow
+import copy_correct.averages.shadow as _shadow
 import copy_correct.target as target_module
 from copy_correct import EMA, PowerEMA, hard_update, make_target, soft_update
 from tests.conftest import DEVICES

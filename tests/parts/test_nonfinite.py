@@ -1,4 +1,4 @@
-"""``NonFiniteGuard`` (``copy_correct._nonfinite``), the device guard's decision, on every device, the CPU included
+"""``NonFiniteGuard`` (``copy_correct.guards.device``), the device guard's decision, on every device, the CPU included
 (``EMA``, ``PowerEMA`` and the target networks build it only off the CPU: ``tests/parts/test_nonfinite_owners.py``
 builds theirs on the CPU). Built here directly on groups of several tensors (three floating dtypes averaged, an
 integer group copied): a NaN, an Inf or a -Inf in any tensor of any group (its first, a middle or its last) skips the
@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from copy_correct._nonfinite import NonFiniteGuard
 from copy_correct.decay_schedule import DecaySchedule
+from copy_correct.guards.device import NonFiniteGuard
 from tests.conftest import DEVICES
 
 FLOATING = (torch.float32, torch.float64, torch.bfloat16)  # averaged groups; then one integer group, copied

@@ -1,6 +1,6 @@
-"""The device guards of ``EMA``, ``PowerEMA`` and the target networks (``copy_correct._nonfinite``'s
+"""The device guards of ``EMA``, ``PowerEMA`` and the target networks (``copy_correct.guards.device``'s
 ``NonFiniteGuard`` and ``ProfilesGuard``) on every device, the CPU included: each owner builds one only off the CPU
-(on the CPU it checks on the host, ``copy_correct._finite_check``), so here its guard is built as a CUDA average's
+(on the CPU it checks on the host, ``copy_correct.guards.host``), so here its guard is built as a CUDA average's
 is, from its own groups, and must skip an update with a NaN in a middle tensor of the floating group or an Inf in its
 last, bit for bit and counted, the next updates made as if it had not been. The control: the decision looking at
 each group's first tensor only lets both through."""
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from copy_correct import EMA, PowerEMA, hard_update, make_target, skipped_updates, soft_update
-from copy_correct._nonfinite import TARGET_GUARDS, NonFiniteGuard
+from copy_correct.guards.device import TARGET_GUARDS, NonFiniteGuard
 from copy_correct.target import _pairs
 from tests.conftest import DEVICES
 from tests.parts.test_ema_nonfinite import bits, net, same_bits, train_step

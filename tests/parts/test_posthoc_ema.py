@@ -17,8 +17,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from copy_correct import PowerEMA, synthesis_coefficients, synthesize
-from copy_correct.posthoc_ema import SNAPSHOT_PATTERNS, load_snapshot, snapshot_paths, target_step
-from copy_correct.power_function import (
+from copy_correct.averages.posthoc import SNAPSHOT_PATTERNS, load_snapshot, snapshot_paths, target_step
+from copy_correct.averages.power_function import (
     gamma_to_sigma_rel,
     impulse_response,
     power_function_correlation,
@@ -435,7 +435,7 @@ def test_update_allocates_nothing_and_reads_nothing_back(device: str, dtype: tor
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_profile_saved_for_backward_and_then_updated_makes_backward_raise(device: str) -> None:
-    """The profiles' versions rise with every update, on every device (``copy_correct._foreach_writes``), so a graph
+    """The profiles' versions rise with every update, on every device (``copy_correct.core.foreach_writes``), so a graph
     that used a profile (an evaluation with it, a distillation loss) cannot silently backpropagate its new values."""
     model = net(device)
     ema = PowerEMA(model, SIGMAS)

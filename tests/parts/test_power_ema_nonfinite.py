@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from copy_correct import PowerEMA, skipped_updates, synthesize
-from copy_correct._finite_check import FiniteCheck
-from copy_correct.posthoc_ema import snapshot_paths
+from copy_correct.averages.posthoc import snapshot_paths
+from copy_correct.guards.host import FiniteCheck
 from copy_correct.probes import CopyAudit, MemoryProbe
 from tests.conftest import DEVICES
 from tests.cuda_sync import no_host_sync
@@ -163,7 +163,7 @@ def test_a_low_precision_model_is_staged_and_checked_in_float32() -> None:
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_guarded_update_allocates_nothing_and_writes_only_when_it_averages(device: str) -> None:
     """Zero bytes allocated by a clean update and by a skipped one, and no tensor made even inside a kernel (a
-    reduction to one element of a large tensor allocates its per-thread buffer: ``copy_correct._finite_check``). A
+    reduction to one element of a large tensor allocates its per-thread buffer: ``copy_correct.guards.host``). A
     clean update raises each profile tensor's version by one; a skipped one writes nothing on the CPU (decided on the
     host, once for all profiles), and on CUDA runs every kernel with the flag (each version +1, nothing read back)."""
     model = net(device)

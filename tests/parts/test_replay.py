@@ -19,7 +19,8 @@ import torch
 from gymnasium.vector import AutoresetMode
 from torch import nn
 
-from copy_correct import ReplayBuffer, _replay_writes
+import copy_correct.replay.writes as _replay_writes
+from copy_correct import ReplayBuffer
 from copy_correct.probes import CopyAudit, MemoryProbe, shares_storage, storage_key
 from tests.conftest import CUDA, DEVICES
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from copy_correct import FrameReplayBuffer, ReplayBuffer
-from copy_correct._replay_fields import NotCopied
+from copy_correct.replay.fields import NotCopied
 
 Buffer = ReplayBuffer | FrameReplayBuffer
 ENVS = 2

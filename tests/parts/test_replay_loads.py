@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-import copy_correct.replay as replay
+import copy_correct.replay.buffer as replay
 from copy_correct import FrameReplayBuffer, ReplayBuffer
 
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from copy_correct import FrameReplayBuffer, ReplayBuffer, _host_batch
+import copy_correct.replay.host_batch as _host_batch
+from copy_correct import FrameReplayBuffer, ReplayBuffer
 from tests.parts.test_replay_sample_gpu import FIELDS, frames, stacks, vectors
 
 

@@ -21,9 +21,11 @@ import numpy as np
 import pytest
 import torch
 
-from copy_correct import FrameReplayBuffer, ReplayBuffer, _replay_writes, replay
-from copy_correct._replay_fields import TORCH_OF
+import copy_correct.replay.buffer as replay
+import copy_correct.replay.writes as _replay_writes
+from copy_correct import FrameReplayBuffer, ReplayBuffer
 from copy_correct.probes import CopyAudit
+from copy_correct.replay.fields import TORCH_OF
 from tests.conftest import CUDA, DEVICES
 from tests.parts.test_replay_sample_device import Staging
 

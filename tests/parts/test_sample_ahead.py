@@ -24,9 +24,9 @@ import numpy as np
 import pytest
 import torch
 
-import copy_correct.sample_ahead as sample_ahead
+import copy_correct.replay.sample_ahead as sample_ahead
 from copy_correct import FrameReplayBuffer, ReplayBuffer, SampleAhead
-from copy_correct._replay_fields import NotCopied
+from copy_correct.replay.fields import NotCopied
 from tests.conftest import CUDA
 
 BATCH, EVERY, STEPS, FIRST = 16, 4, 160, 20  # a sample every 4 adds from add 20 on, as dqn_atari.py's cadence

@@ -1,4 +1,4 @@
-"""``EMA`` and ``PowerEMA`` are one shadow machinery (``copy_correct._shadow``): the same misuse raises the same
+"""``EMA`` and ``PowerEMA`` are one shadow machinery (``copy_correct.averages.shadow``): the same misuse raises the same
 exception with the same words in both, the same argument has the same name, and the skip count is read one way."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A distributed checkpoint's ``.metadata`` is checked against its digest in ``digests.json`` like every shard
-(``copy_correct._shard_digest``), not only parsed: one changed so that it still parses as checkpoint metadata and names
-nothing unsafe (its two tensors' storage entries swapped, so ``torch.distributed.checkpoint`` loads each tensor's
+(``copy_correct.files.shard_digest``), not only parsed: one changed so that it still parses as checkpoint metadata and
+names nothing unsafe (its two tensors' storage entries swapped, so ``torch.distributed.checkpoint`` loads each tensor's
 numbers into the other without a word) is refused, in one line naming it. The control: with ``.metadata`` left out of
 the digests, the same damaged directory verifies."""
 
@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from copy_correct import _shard_digest
-from copy_correct._shard_digest import check_metadata, verify_directory, write_digests
+import copy_correct.files.shard_digest as _shard_digest
+from copy_correct.files.shard_digest import check_metadata, verify_directory, write_digests
 from copy_correct.lightning import ResumeState, check_checkpoint
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")

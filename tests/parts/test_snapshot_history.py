@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from copy_correct import PowerEMA, synthesize
-from copy_correct._link_or_copy import link_or_copy
-from copy_correct.power_ema import snapshot_name
-from copy_correct.snapshot_history import check_snapshot_history, snapshot_gaps
+from copy_correct.averages.power_ema import snapshot_name
+from copy_correct.averages.snapshot_history import check_snapshot_history, snapshot_gaps
+from copy_correct.files.link_or_copy import link_or_copy
 
 
 def write_history(folder: Path, steps: list[int], *, links: bool, final: int | None = None) -> dict[int, Path]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-import copy_correct._module_tensors as _module_tensors
+import copy_correct.core.module_tensors as _module_tensors
 import copy_correct.target as target_module
 from copy_correct import hard_update, make_target, soft_update
 from copy_correct.probes import CopyAudit, MemoryProbe, storage_key

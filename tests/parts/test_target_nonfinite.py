@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from copy_correct import hard_update, make_target, skipped_updates, soft_update
-from copy_correct._finite_check import FiniteCheck
+from copy_correct.guards.host import FiniteCheck
 from copy_correct.probes import CopyAudit, MemoryProbe
 from tests.conftest import DEVICES
 from tests.cuda_sync import no_host_sync
@@ -197,7 +197,7 @@ def test_a_dropped_target_frees_its_guard() -> None:
     probe = target[0].weight
     del target
     gc.collect()
-    from copy_correct._nonfinite import TARGET_GUARDS
+    from copy_correct.guards.device import TARGET_GUARDS
 
     assert all(probe is not t for tensors, _, _ in TARGET_GUARDS.values() for t in tensors)
 

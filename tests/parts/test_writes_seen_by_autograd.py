@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from copy_correct import EMA, GradientAverager, ReplayBuffer, hard_update, make_target, soft_update
-from copy_correct._foreach_writes import foreach_copy_, foreach_lerp_
+from copy_correct.core.foreach_writes import foreach_copy_, foreach_lerp_
 from copy_correct.lightning._rank_zero_buffers import RankZeroBuffers
 from copy_correct.probes import CopyAudit
 from tests.conftest import CUDA

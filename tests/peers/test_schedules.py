@@ -1,6 +1,6 @@
-"""Each peer's schedule as ``copy_correct.peer_schedules`` says it, against the peer's own code: at each call, whether
-the peer copies, averages (with which decay) or does nothing, and ours by ``EMA``'s rule and ``EMA.decay_at``; then
-the averages of a small model trained side by side. Each peer's tests skip where it is not installed.
+"""Each peer's schedule as ``copy_correct.averages.peer_schedules`` says it, against the peer's own code: at each call,
+whether the peer copies, averages (with which decay) or does nothing, and ours by ``EMA``'s rule and ``EMA.decay_at``;
+then the averages of a small model trained side by side. Each peer's tests skip where it is not installed.
 
 A call's action is ``None`` (no write), ``0.0`` (a copy) or the decay of an averaging update. Compared at every call
 below 20,000 and at 2,000 log-spaced calls up to 10**7 (``-m slow``: every call up to 10**7). Each comparison has a
@@ -18,8 +18,13 @@ import torch
 from torch import nn
 
 from benchmarks.peers import Missing, timm_model_ema
-from copy_correct.ema import EMA
-from copy_correct.peer_schedules import diffusers_schedule, ema_pytorch_schedule, lightning_schedule, timm_schedule
+from copy_correct.averages.ema import EMA
+from copy_correct.averages.peer_schedules import (
+    diffusers_schedule,
+    ema_pytorch_schedule,
+    lightning_schedule,
+    timm_schedule,
+)
 
 DENSE = 20_000
 CALLS = [*range(DENSE), *np.unique(np.geomspace(DENSE, 10**7, 2_000).astype(int)).tolist()]

@@ -1,6 +1,7 @@
-"""A peer's saved average loaded into ours (``copy_correct.peer_states``) goes on as the peer's does: train a while
-with the peer, save its state, load it into ours built with the matching schedule, then take the same further steps
-with both and compare the averages (to float32 rounding: the peers' arithmetic is not ours operation for operation).
+"""A peer's saved average loaded into ours (``copy_correct.averages.peer_states``) goes on as the peer's does: train a
+while with the peer, save its state, load it into ours built with the matching schedule, then take the same further
+steps with both and compare the averages (to float32 rounding: the peers' arithmetic is not ours operation for
+operation).
 
 Controls: the same average loaded with its counters at 0 (the silent reset these loaders refuse to make) is far from
 the peer's after one more update; a load without counters, and one into the wrong schedule, are refused.
@@ -14,15 +15,15 @@ from typing import Any
 import pytest
 import torch
 
-from copy_correct.ema import EMA
-from copy_correct.peer_schedules import diffusers_schedule, ema_pytorch_schedule
-from copy_correct.peer_states import (
+from copy_correct.averages.ema import EMA
+from copy_correct.averages.peer_schedules import diffusers_schedule, ema_pytorch_schedule
+from copy_correct.averages.peer_states import (
     diffusers_settings,
     load_diffusers_state,
     load_ema_pytorch_state,
     load_posthoc_ema_state,
 )
-from copy_correct.power_ema import PowerEMA
+from copy_correct.averages.power_ema import PowerEMA
 from tests.peers.test_schedules import largest_difference, trained
 
 BEFORE, AFTER = 150, 150  # steps with the peer alone, then with both

@@ -12,7 +12,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 from torchmetrics.classification import MulticlassAUROC
 
-from copy_correct._torch_internals import READS_PACKED
+from copy_correct.core.torch_internals import READS_PACKED
 from copy_correct.probes import MemoryProbe, find_graph_refs, graph_bytes, graph_refs
 from tests.conftest import DEVICES
 

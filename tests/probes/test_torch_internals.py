@@ -1,4 +1,4 @@
-"""torch's private and version-dependent surfaces (``copy_correct._torch_internals``): ``increment_versions`` raises
+"""torch's private and version-dependent surfaces (``copy_correct.core.torch_internals``): ``increment_versions`` raises
 each listed tensor's version by one; ``set_grad_enabled`` sets the grad mode as ``torch.no_grad`` does; a torch without
 the dispatch-mode modules still imports the package, and its probes refuse to be entered, in one line naming the torch
 version. Each with its control."""
@@ -11,7 +11,7 @@ import textwrap
 
 import torch
 
-from copy_correct._torch_internals import increment_versions, set_grad_enabled
+from copy_correct.core.torch_internals import increment_versions, set_grad_enabled
 from copy_correct.probes import CollectiveProbe, CopyAudit
 
 

@@ -15,7 +15,7 @@ import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
-from copy_correct._checks import shown
+from copy_correct.core.checks import shown
 from recipes.build import build
 from recipes.config_values import ALLOWED, check_values, config_keys, rule_for, value_of
 from tests.conftest import compose_config

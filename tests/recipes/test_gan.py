@@ -20,8 +20,8 @@ import pytest
 import torch
 from torch import nn
 
+from copy_correct.averages.posthoc import load_snapshot, snapshot_paths
 from copy_correct.lightning import GraphRetentionCheck
-from copy_correct.posthoc_ema import load_snapshot, snapshot_paths
 from copy_correct.probes import CopyAudit, MemoryProbe
 from recipes import build as run_builder
 from recipes.gan import GAN, _bce, discriminator_loss

@@ -16,8 +16,8 @@ import torch
 from PIL import Image
 
 from copy_correct import synthesize
-from copy_correct.checked_load import hyperparameter_classes, load_checked
 from copy_correct.cli import main
+from copy_correct.files.checked_load import hyperparameter_classes, load_checked
 from recipes.build import build, ignore_expected_warnings
 from recipes.ema import NoisyClassifier
 from recipes.inference import classify

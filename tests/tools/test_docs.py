@@ -24,7 +24,9 @@ DOCS = ROOT / "docs"
 # The API page's sections, one per layer of the package, each listing every name its package exports.
 LAYERS = {"Tensor parts": copy_correct, "Lightning adapters": copy_correct.lightning, "Probes": copy_correct.probes}
 # Modules of a layer documented whole (their ``__all__`` under the module's name): imported as ``from MODULE import``
-SUBMODULES = {"Tensor parts": ("decay_schedule", "peer_schedules", "peer_states", "power_function")}
+SUBMODULES = {
+    "Tensor parts": ("decay_schedule", "averages.peer_schedules", "averages.peer_states", "averages.power_function")
+}
 
 # Every line range the docs quote (`--8<-- "PATH:FIRST:LAST"`), with the text its first and last lines must hold
 # (stripped): an edit above the quoted code moves it, and this names the quote instead of letting it drift.

@@ -116,8 +116,9 @@ def test_starter_has_the_readme_conf_and_project_of_its_recipe(recipe: str, tmp_
 
 def test_starter_holds_only_the_modules_and_tests_it_needs(tmp_path: Path) -> None:
     metrics, ema, dqn = (generate(r, tmp_path / r) for r in ("metrics", "ema", "dqn"))
-    assert (ema / "copy_correct" / "ema.py").is_file() and (ema / "tests" / "parts" / "test_ema.py").is_file()
-    assert not (metrics / "copy_correct" / "ema.py").exists()
+    assert (ema / "copy_correct" / "averages" / "ema.py").is_file()
+    assert (ema / "tests" / "parts" / "test_ema.py").is_file()
+    assert not (metrics / "copy_correct" / "averages" / "ema.py").exists()
     assert not (metrics / "tests" / "parts" / "test_ema.py").exists()
     # Probes come as the code that measures with them needs them: metrics' conf runs the graph guard's callback, dqn's
     # tests measure memory and storage but guard no graph; each starter's __init__ files export only what it has.
@@ -130,7 +131,8 @@ def test_starter_holds_only_the_modules_and_tests_it_needs(tmp_path: Path) -> No
     dqn_probes = (dqn / "copy_correct" / "probes" / "__init__.py").read_text()
     assert "MemoryProbe" in dqn_probes and "GraphRetentionGuard" not in dqn_probes
     assert "StepProbe" not in (dqn / "copy_correct" / "lightning" / "__init__.py").read_text()
-    assert (dqn / "copy_correct" / "replay.py").is_file() and (dqn / "tests" / "parts" / "test_replay.py").is_file()
+    assert (dqn / "copy_correct" / "replay" / "buffer.py").is_file()
+    assert (dqn / "tests" / "parts" / "test_replay.py").is_file()
     assert not (dqn / "recipes" / "data" / "digits.py").exists()
     assert (metrics / "recipes" / "data" / "digits.py").is_file()
     assert (ema / "tests" / "workers" / "ddp_ema.py").is_file()  # named by test_ema_weights.py, which is copied
@@ -144,7 +146,7 @@ def test_starter_holds_only_the_modules_and_tests_it_needs(tmp_path: Path) -> No
     lightning = (metrics / "copy_correct" / "lightning" / "__init__.py").read_text()
     assert "GraphRetentionCheck" in lightning and "EMAWeights" not in lightning
     init = (metrics / "copy_correct" / "__init__.py").read_text()
-    assert "copy_correct.ema import" not in init and '"EMA"' not in init and "ReplayBuffer" not in init
+    assert "copy_correct.averages.ema import" not in init and '"EMA"' not in init and "ReplayBuffer" not in init
     assert '"gymnasium' in (dqn / "pyproject.toml").read_text()
     assert '"gymnasium' not in (metrics / "pyproject.toml").read_text()
     assert "mkdocs" not in (metrics / "pyproject.toml").read_text()  # no docs site, no docs extra
@@ -168,7 +170,8 @@ def test_the_posthoc_command_comes_with_the_callback_installed_as_ours_is(tmp_pa
     gets neither (an entry naming a module it lacks would install a command that fails). No ``scripts/`` folder."""
     gan, ema = generate("gan", tmp_path / "gan"), generate("ema", tmp_path / "ema")
     entry = 'copy-correct = "copy_correct.cli:main"'
-    assert all((gan / "copy_correct" / name).is_file() for name in ("cli.py", "__main__.py", "posthoc_command.py"))
+    command = ("cli.py", "__main__.py", "averages/posthoc_command.py")
+    assert all((gan / "copy_correct" / name).is_file() for name in command)
     assert entry in (gan / "pyproject.toml").read_text() and not (gan / "scripts").exists()
     assert not (ema / "copy_correct" / "cli.py").exists()
     assert "[project.scripts]" not in (ema / "pyproject.toml").read_text()

@@ -16,7 +16,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 
-from copy_correct._sharding import is_sharded
+from copy_correct.core.sharding import is_sharded
 from copy_correct.lightning import EMAWeights
 
 

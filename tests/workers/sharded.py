@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.sharded import GatheredEMA
 from copy_correct import EMA, hard_update, make_target, soft_update
-from copy_correct._sharding import local, local_part
+from copy_correct.core.sharding import local, local_part
 from copy_correct.probes import CollectiveProbe, MemoryProbe, shares_storage, storage_key
 from tests.workers import end_rank
 
@@ -192,7 +192,7 @@ def ema_checks(rank: int, mesh: DeviceMesh, directory: Path) -> dict[str, Any]:
         }  # fmt: skip
         model(x)  # the root gathers its parameters again
         # the control: no reshard, and so no changed-model check (which walks the model as its shards)
-        no_reshard = mock.patch("copy_correct.ema.reshard", lambda module: None)
+        no_reshard = mock.patch("copy_correct.averages.ema.reshard", lambda module: None)
         no_check = mock.patch.object(ema, "_check_model", lambda module: None)
         with no_reshard, no_check, ema.average_weights(model):
             out["swap"]["without_reshard"] = model(x)

@@ -28,7 +28,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from copy_correct._sharding import is_sharded
+from copy_correct.core.sharding import is_sharded
 from copy_correct.lightning import EMAWeights
 from tests.lightning.test_ema_weights import Regressor, loader
 from tests.workers import end_rank, join_as_lightning_rank

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from copy_correct._sharding import is_sharded
+from copy_correct.core.sharding import is_sharded
 from copy_correct.lightning import EMAWeights
 from tests.lightning.test_ema_weights import loader
 from tests.lightning.test_ema_weights_module import TwoNets

@@ -33,9 +33,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from copy_correct._sharding import local
+from copy_correct.averages.posthoc import load_snapshot
+from copy_correct.core.sharding import local
 from copy_correct.lightning import AtomicModelParallelStrategy, PostHocEMASnapshots
-from copy_correct.posthoc_ema import load_snapshot
 from tests.lightning.test_ema_weights import loader
 from tests.workers import end_rank, join_as_lightning_rank
 from tests.workers.sharded_callback import ShardedRegressor, full

@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from copy_correct import PowerEMA, synthesize
-from copy_correct.posthoc_ema import snapshot_paths
+from copy_correct.averages.posthoc import snapshot_paths
 from copy_correct.probes import CollectiveProbe, CopyAudit
 from tests.workers import end_rank
 from tests.workers.sharded import batch, cpu, full, mirror, network, shard, train_step

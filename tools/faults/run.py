@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.report import write_section
-from copy_correct.checked_load import load_checked
+from copy_correct.files.checked_load import load_checked
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "guides" / "reliability.md"

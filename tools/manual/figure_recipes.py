@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from copy_correct import synthesize
+from copy_correct.averages.posthoc import load_snapshot, snapshot_paths
 from copy_correct.lightning import PostHocEMASnapshots
-from copy_correct.posthoc_ema import load_snapshot, snapshot_paths
 from copy_correct.probes import MemoryProbe
 from recipes.gan import GAN
 from recipes.gan_quality import sample_grid

@@ -1,0 +1,20 @@
+"""Replay: transitions copied into preallocated storage by ``add`` and sampled into new memory by ``sample``.
+
+* ``ReplayBuffer`` (``buffer``): every field of a transition in its own ring; ``FrameReplayBuffer``
+  (``frame_buffer``): each Atari frame stored once per env stream, stacks rebuilt at sample, optionally compressed
+  (``frame_store``, ``frame_codec``).
+* What both share: the fields, dtypes and value checks (``fields``, ``values``), ``add``'s paths chosen once per mode
+  (``writes``, ``frame_writes``), vector envs' autoreset modes (``autoreset``), n-step windows (``n_step``) and the
+  gather into pinned memory for a CUDA batch (``host_batch``).
+* ``SampleAhead`` (``sample_ahead``): a buffer's next batch drawn on a background thread, one sample stale.
+
+Copy contract: ``add`` copies the values given into the buffer's storage (nothing of the caller's kept, no graph);
+``sample`` gathers into new memory, shared with nothing; ``state_dict``/``load_state_dict`` copy, and a load shares
+nothing with its source.
+"""
+
+from copy_correct.replay.buffer import ReplayBuffer
+from copy_correct.replay.frame_buffer import FrameReplayBuffer
+from copy_correct.replay.sample_ahead import SampleAhead
+
+__all__ = ["FrameReplayBuffer", "ReplayBuffer", "SampleAhead"]
