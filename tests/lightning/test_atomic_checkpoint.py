@@ -176,7 +176,9 @@ def test_control_lightnings_writer_killed_while_it_moves_across_filesystems_leav
     path = tmp_path / "last.ckpt"
     with tempfile.TemporaryDirectory(dir=SECOND_FILESYSTEM) as elsewhere:
         kill_mid_write(path, "lightning", lambda pid, whole: 0 < size(path) < whole // 2, TMPDIR=elsewhere)
-    with pytest.raises(RuntimeError):
+    # Where the cut falls decides torch's error: a zip reader's RuntimeError, or (torch 2.14) EINVAL from a read
+    # past the end, an OSError.
+    with pytest.raises((RuntimeError, OSError)):
         torch.load(path, weights_only=True)
 
 
