@@ -41,6 +41,8 @@ def main(rank: int, out: Path) -> None:
         "full": full.clone(),
         "full_shape": list(full.shape),
         "full_shares_local": shares_storage(full, local),
+        "full_storage_bytes": full.untyped_storage().nbytes(),
+        "full_contiguous": full.is_contiguous(),
         "gathers": [c.op for c in probe.collectives],
         "gathered_bytes": probe.nbytes,
     }

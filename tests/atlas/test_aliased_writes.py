@@ -79,6 +79,9 @@ def test_expand_writes_every_alias_or_raises(device):
     c, audit_c = audited(lambda: row.expand(ROWS, COLS).clone())
     assert audit_c.count("clone", "alloc") == 1 and audit_c.bytes_allocated == nbytes(make(device))
     assert c.stride() == (COLS, 1)  # clone of a stride-0 view comes out dense
+    tracked = make(device)[0].clone().requires_grad_(True)
+    assert type(tracked.repeat(ROWS, 1).grad_fn).__name__ == "RepeatBackward0"
+    assert type(tracked.expand(ROWS, COLS).clone().grad_fn).__name__ == "CloneBackward0"
     for dense in (r, c):
         dense[0, 0] = -1.0
         dense.add_(1)  # reads and writes: fine on dense memory
@@ -106,7 +109,7 @@ def test_advanced_indexing_copies_basic_slicing_views(device):
     for index, rows in ((idx, 2), ([1, 2], 2), (torch.tensor([False, True, True, False], device=device), 2)):
         c, audit = audited(lambda index=index: x[index])
         assert audit.count("index", "alloc") == 1, audit.summary()
-        assert ptr(c) != ptr(x) and c.shape == (rows, COLS)
+        assert ptr(c) != ptr(x) and c.shape == (rows, COLS) and c.is_contiguous()
         assert sum(e.nbytes for e in audit.ops if e.op == "index") == rows * COLS * x.element_size()
     tracked = make(device, requires_grad=True)
     assert type(tracked[idx].grad_fn).__name__ == "IndexBackward0"
@@ -114,6 +117,7 @@ def test_advanced_indexing_copies_basic_slicing_views(device):
     whole, audit_whole = audited(lambda: x[True])
     assert whole.shape == (1, ROWS, COLS) and ptr(whole) != ptr(x)
     assert audit_whole.count("index", "alloc") == 1 and not shares_storage(whole, x)
+    assert sum(e.nbytes for e in audit_whole.ops if e.op == "index") == nbytes(x)
 
     # writes: x[idx] = v is index_put_ on x itself, in place, nothing allocated
     _, audit_put = audited(lambda: x.__setitem__(idx, 0.0))
@@ -122,8 +126,14 @@ def test_advanced_indexing_copies_basic_slicing_views(device):
     x = make(device)
     x[idx, 0] = -1.0  # indices and a column together: still one index_put_ on x
     assert x[1:3, 0].tolist() == [-1.0, -1.0]
-    x[idx] += 100  # reads a copy, adds, writes back with index_put_: the sum reaches x
+
+    def increment() -> None:
+        x[idx] += 100  # reads a copy, adds to it, writes it back with index_put_: the sum reaches x
+
+    _, audit_inc = audited(increment)
     assert x[1:3, 1].tolist() == [108.0, 114.0]
+    assert audit_inc.count("index", "alloc") == 1 and audit_inc.bytes_allocated == nbytes(x) // 2, audit_inc.summary()
+    assert audit_inc.count("add_", "write") == 1 and audit_inc.count("index_put_", "write") == 1
 
     # control: x[idx][...] = v writes into the copy x[idx] made, which is dropped at once: x never changes
     x = make(device)
@@ -236,7 +246,8 @@ def test_dtensor_to_local_and_full_tensor_on_one_rank(device, group_of_one):
     with CollectiveProbe() as probe:
         full, audit_full = audited(lambda: d.full_tensor())
     assert probe.count == 0 and audit_full.ops == []
-    assert ptr(full) == ptr(x) and full.shape == (ROWS, COLS)
+    assert ptr(full) == ptr(x) and full.shape == (ROWS, COLS) and full.is_contiguous()
+    assert type(full.grad_fn).__name__ == "_ToTorchTensorBackward"
     with torch.no_grad():
         full[0, 0] = -1.0  # so a write to the "gathered" tensor is a write to the DTensor's shard
     assert d.to_local()[0, 0].item() == -1.0 and x[0, 0].item() == -1.0
@@ -259,7 +270,8 @@ def test_dtensor_full_tensor_gathers_into_new_storage_on_two_ranks(tmp_path: Pat
         assert torch.equal(got["local"], make("cpu")[2 * rank : 2 * rank + 2])
         assert not got["local_shares_source"]  # distribute_tensor scattered copies of the source's rows
         # full_tensor: one all-gather of the shard into new storage of the whole
-        assert got["full_shape"] == [ROWS, COLS] and not got["full_shares_local"]
+        assert got["full_shape"] == [ROWS, COLS] and not got["full_shares_local"] and got["full_contiguous"]
+        assert got["full_storage_bytes"] == nbytes(make("cpu"))
         assert got["gathers"] == ["_c10d_functional.all_gather_into_tensor"]
         assert got["gathered_bytes"] == nbytes(make("cpu")) // 2  # the shard sent
         assert torch.equal(got["full"], make("cpu"))

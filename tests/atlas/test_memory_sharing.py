@@ -49,6 +49,7 @@ def test_from_numpy_numpy_and_as_tensor_share_memory(device):
     t, audit = audited(lambda: torch.from_numpy(arr))
     assert audit.ops == [], audit.summary()
     assert ptr(t) == arr.ctypes.data
+    assert t.is_leaf and not t.requires_grad and t.grad_fn is None
     arr[0, 0] = -1.0  # a write through the array is seen by the tensor ...
     assert t[0, 0].item() == -1.0
     t[0, 1] = -2.0  # ... and one through the tensor by the array
@@ -78,7 +79,7 @@ def test_from_numpy_numpy_and_as_tensor_share_memory(device):
     assert wide[0, 3].item() == 4.0
     # torch.tensor(arr) always copies, even on the host with the array's dtype
     copied, audit_copied = audited(lambda: torch.tensor(arr, device=device))
-    assert audit_copied.count(kind="alloc") == 1 and audit_copied.bytes_allocated == nbytes(t)
+    assert audit_copied.count("_to_copy", "alloc") == 1 and audit_copied.bytes_allocated == nbytes(t)
     assert ptr(copied) != arr.ctypes.data
 
     # .numpy() refuses a tensor off the host, and one that requires grad; force=True is detach().cpu().numpy():
@@ -106,7 +107,7 @@ def test_torch_tensor_of_a_tensor_copies_and_warns(device):
     x = make(device, requires_grad=True)
     with pytest.warns(UserWarning, match=r"To copy construct from a tensor, it is recommended to use sourceTensor"):
         c, audit = audited(lambda: torch.tensor(x))
-    assert audit.count(kind="alloc") == 1 and audit.bytes_allocated == nbytes(x), audit.summary()
+    assert audit.count("_to_copy", "alloc") == 1 and audit.bytes_allocated == nbytes(x), audit.summary()
     assert ptr(c) != ptr(x) and not shares_storage(c, x)
     assert torch.equal(c, x.detach()) and c.stride() == x.stride()
     assert c.is_leaf and not c.requires_grad and c.grad_fn is None  # the graph is dropped, as by detach()
