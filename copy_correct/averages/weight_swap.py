@@ -16,7 +16,7 @@ from torch import nn
 
 from copy_correct.averages.shadow import Group
 from copy_correct.core.flat import flat_views
-from copy_correct.core.foreach_writes import foreach_copy_
+from copy_correct.core.foreach_writes import foreach_copy_, version
 from copy_correct.core.sharding import reshard
 
 __all__ = ["Swap", "swap_in", "swap_out", "written_error"]
@@ -56,8 +56,8 @@ def swap_out(model: nn.Module | None, swap: Swap) -> list[str]:
     written = [
         name
         for (group, lives), versions in zip(swap.pairs, swap.versions, strict=True)
-        for name, is_parameter, live, version in zip(group.names, group.parameters, lives, versions, strict=True)
-        if is_parameter and _version(live) != version
+        for name, is_parameter, live, before in zip(group.names, group.parameters, lives, versions, strict=True)
+        if is_parameter and version(live) != before
     ]
     reshard(model)
     with torch.no_grad():
@@ -78,11 +78,4 @@ def written_error(written: list[str]) -> RuntimeError:
 
 
 def _versions(pairs: list[tuple[Group, list[torch.Tensor]]]) -> list[list[int | None]]:
-    return [[_version(t) for t in lives] for _, lives in pairs]
-
-
-def _version(t: torch.Tensor) -> int | None:
-    try:
-        return t._version
-    except RuntimeError:  # an inference tensor has no version counter (and cannot be written outside inference mode)
-        return None
+    return [[version(t) for t in lives] for _, lives in pairs]

@@ -21,13 +21,13 @@ import torch
 
 from copy_correct.core.torch_internals import increment_versions
 
-__all__ = ["foreach_copy_", "foreach_lerp_"]
+__all__ = ["foreach_copy_", "foreach_lerp_", "version"]
 
 
 def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     """``dst[i].copy_(src[i])`` for every i, in one call; every ``dst`` version raised by one."""
     first = dst[0]
-    before = _version(first)
+    before = version(first)
     torch._foreach_copy_(dst, src)
     if before is not None and first._version == before:
         increment_versions(dst)
@@ -36,14 +36,16 @@ def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
 def foreach_lerp_(dst: list[torch.Tensor], src: list[torch.Tensor], weight: float) -> None:
     """``dst[i].lerp_(src[i], weight)`` for every i, in one call; every ``dst`` version raised by one."""
     first = dst[0]
-    before = _version(first)
+    before = version(first)
     torch._foreach_lerp_(dst, src, weight)
     if before is not None and first._version == before:
         increment_versions(dst)
 
 
-def _version(t: torch.Tensor) -> int | None:
+def version(t: torch.Tensor) -> int | None:
+    """``t``'s version counter; ``None`` for an inference tensor, which has none (nothing to keep, and it cannot be
+    written outside inference mode)."""
     try:
         return t._version
-    except RuntimeError:  # an inference tensor has no version counter: nothing to keep
+    except RuntimeError:
         return None
