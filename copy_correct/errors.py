@@ -1,5 +1,6 @@
 """The exceptions a user catches, where importing them loads nothing but this package's tensor parts (no Lightning),
-and ``check_exists``, the loaders' first check of a path handed over (``MissingFile``).
+``check_exists``, the loaders' first check of a path handed over (``MissingFile``), and ``first_line``, what their
+one-line messages quote of an error met on the way.
 
 Copy contract: none; no tensor is touched.
 """
@@ -10,7 +11,7 @@ import errno
 import os
 from pathlib import Path
 
-__all__ = ["CheckpointMismatch", "DamagedFile", "MissingFile", "UnsafeFile", "check_exists"]
+__all__ = ["CheckpointMismatch", "DamagedFile", "MissingFile", "UnsafeFile", "check_exists", "first_line"]
 
 
 class CheckpointMismatch(ValueError):
@@ -46,3 +47,8 @@ def check_exists(path: str | os.PathLike[str]) -> Path:
     if not path.exists():
         raise MissingFile(errno.ENOENT, "no such file or directory", str(path))
     return path
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of ``error``'s message, or its type's name when it has none: what a one-line message quotes."""
+    return (str(error).strip() or type(error).__name__).splitlines()[0]

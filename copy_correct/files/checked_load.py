@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from copy_correct.errors import DamagedFile, MissingFile, UnsafeFile, check_exists
+from copy_correct.errors import DamagedFile, MissingFile, UnsafeFile, check_exists, first_line
 from copy_correct.files.digest import verify_file
 from copy_correct.files.shard_digest import verify_directory
 
@@ -74,9 +74,9 @@ def load_checked(path: str | os.PathLike[str], *, mmap: bool = False, allow: Ite
                 f"{path} names {', '.join(unsafe[:4])}{', ...' if len(unsafe) > 4 else ''} in its pickle, which a "
                 "weights_only load refuses (loading it otherwise could run code): not loaded"
             ) from None
-        raise DamagedFile(f"{path} does not load with weights_only=True: {_first_line(error)}") from None
+        raise DamagedFile(f"{path} does not load with weights_only=True: {first_line(error)}") from None
     except Exception as error:  # a file that passed its digests and still fails: the same one line to the user
-        raise DamagedFile(f"{path} does not load: {type(error).__name__}: {_first_line(error)}") from None
+        raise DamagedFile(f"{path} does not load: {type(error).__name__}: {first_line(error)}") from None
 
 
 def verify_checkpoint(path: str | os.PathLike[str]) -> None:
@@ -99,7 +99,3 @@ def _unsafe_globals(path: Path, allow: Iterable[Any]) -> list[str]:
         return ["a global"]
     plain = ("builtins.", "typing.", "collections.")  # named after what tells more: the classes, the functions
     return sorted((n for n in found if n not in allowed), key=lambda n: (n.startswith(plain), n)) or ["a global"]
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip() or type(error).__name__).splitlines()[0]

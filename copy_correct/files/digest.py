@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import IO
 
-from copy_correct.errors import DamagedFile, MissingFile
+from copy_correct.errors import DamagedFile, MissingFile, first_line
 
 try:
     from isal.isal_zlib import crc32
@@ -130,11 +130,11 @@ def _refusals(path: Path) -> Iterator[None]:
     except FileNotFoundError:
         raise MissingFile(errno.ENOENT, "no such file or directory", str(path)) from None
     except zipfile.BadZipFile as error:
-        raise DamagedFile(f"{path} is damaged or not a file torch.save wrote: {_first_line(error)}") from None
+        raise DamagedFile(f"{path} is damaged or not a file torch.save wrote: {first_line(error)}") from None
     except OSError as error:
-        raise DamagedFile(f"{path} cannot be read: {error.strerror or _first_line(error)}") from None
+        raise DamagedFile(f"{path} cannot be read: {error.strerror or first_line(error)}") from None
     except Exception as error:  # a header that does not parse (struct.error, EOFError, ...): the same to the user
-        raise DamagedFile(f"{path} is damaged: {type(error).__name__}: {_first_line(error)}") from None
+        raise DamagedFile(f"{path} is damaged: {type(error).__name__}: {first_line(error)}") from None
 
 
 def _check(path: Path, file: IO[bytes]) -> None:
@@ -200,7 +200,3 @@ def _check_layout(path: Path, records: list[zipfile.ZipInfo]) -> None:
     compressed = [r.filename for r in records if r.compress_type != zipfile.ZIP_STORED]
     if compressed:
         raise DamagedFile(f"{path} has compressed records ({compressed[0]}): not a file torch.save wrote")
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip() or type(error).__name__).splitlines()[0]
