@@ -45,6 +45,7 @@ from copy_correct.core.module_tensors import DATA_PTR, TensorRefs, state_entries
 from copy_correct.core.sharding import fsdp_modules, is_sharded, layout, reshard
 from copy_correct.core.torch_internals import set_grad_enabled
 from copy_correct.decay_schedule import DecaySchedule
+from copy_correct.guards.choice import choose
 from copy_correct.guards.device import TARGET_GUARDS, NonFiniteGuard
 from copy_correct.guards.host import FiniteCheck
 
@@ -173,8 +174,9 @@ class _HostGuard:
 
 
 def _guard(target: nn.Module, groups: list[_PairGroup]) -> NonFiniteGuard | _HostGuard:
-    """The target's guard, built on the first guarded update and when its tensors change: a ``_HostGuard`` when every
-    target tensor is on the CPU, else a ``NonFiniteGuard``."""
+    """The target's guard, built on the first guarded update and when its tensors change, as
+    ``copy_correct.guards.choice`` chooses: a ``_HostGuard`` when every target tensor is on the CPU, else a
+    ``NonFiniteGuard``; the count of skips goes over to the new one."""
     tensors = [t for group in groups for t in group.target.resolve()]
     addresses = list(map(DATA_PTR, tensors))
     guarded = TARGET_GUARDS.get(target)
@@ -186,20 +188,27 @@ def _guard(target: nn.Module, groups: list[_PairGroup]) -> NonFiniteGuard | _Hos
             "ranks could decide differently and leave the target half updated"
         )
     before = None if guarded is None else guarded[2]
-    guard: NonFiniteGuard | _HostGuard
-    if all(t.device.type == "cpu" for t in tensors):
-        count = 0 if before is None else int(before.skipped)  # from a device guard: a sync, once, at the rebuild
-        guard = _HostGuard(FiniteCheck([group.online.resolve() for group in groups if group.average]), count)
-    else:
-        if isinstance(before, NonFiniteGuard):
-            skipped = before.skipped  # the device counter itself: no sync
-        else:
-            count = 0 if before is None else before.skipped
-            skipped = torch.full((), count, dtype=torch.float64, device=tensors[0].device)
-        applied = torch.zeros((), dtype=torch.float64, device=skipped.device)  # no warm-up here: never read
-        guard = NonFiniteGuard([(group.target.resolve(), group.average) for group in groups], skipped, applied)
+    host = functools.partial(_host_guard, groups, before)
+    guard = choose(tensors, host, functools.partial(_device_guard, groups, before, tensors[0].device))
     TARGET_GUARDS[target] = (tensors, addresses, guard)
     return guard
+
+
+def _host_guard(groups: list[_PairGroup], before: NonFiniteGuard | _HostGuard | None) -> _HostGuard:
+    count = 0 if before is None else int(before.skipped)  # from a device guard: a sync, once, at the rebuild
+    return _HostGuard(FiniteCheck([group.online.resolve() for group in groups if group.average]), count)
+
+
+def _device_guard(
+    groups: list[_PairGroup], before: NonFiniteGuard | _HostGuard | None, device: torch.device
+) -> NonFiniteGuard:
+    if isinstance(before, NonFiniteGuard):
+        skipped = before.skipped  # the device counter itself: no sync
+    else:
+        count = 0 if before is None else before.skipped
+        skipped = torch.full((), count, dtype=torch.float64, device=device)
+    applied = torch.zeros((), dtype=torch.float64, device=skipped.device)  # no warm-up here: never read
+    return NonFiniteGuard([(group.target.resolve(), group.average) for group in groups], skipped, applied)
 
 
 @dataclass

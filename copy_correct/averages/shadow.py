@@ -38,6 +38,7 @@ from copy_correct.averages.peer_calls import missing, not_callable
 from copy_correct.core.foreach_writes import foreach_copy_
 from copy_correct.core.module_tensors import DATA_PTR, TensorRefs, state_entries, unwrap
 from copy_correct.core.sharding import from_local, is_sharded, layout, local, local_part, reshard
+from copy_correct.guards.choice import choose
 from copy_correct.guards.device import guard_wanted
 from copy_correct.guards.host import FiniteCheck
 
@@ -286,18 +287,22 @@ class Shadows:
     # -- the non-finite guard ----------------------------------------------------------------------------
 
     def _arm(self) -> None:
-        """Under ``skip_nonfinite``, the guard for the groups (built with them; the counters are kept): with every
-        shadow on the CPU a ``FiniteCheck`` of the values each update averages (the first copy's shapes and dtypes:
-        one check for every copy), elsewhere the subclass's device guard, which stages every group itself (the
-        groups' own staging is freed)."""
+        """Under ``skip_nonfinite``, the guard for the groups (built with them; the counters are kept), as
+        ``copy_correct.guards.choice`` chooses: with every shadow on the CPU a ``FiniteCheck`` of the values each update
+        averages (the first copy's shapes and dtypes: one check for every copy), elsewhere the subclass's device guard,
+        which stages every group itself (the groups' own staging is freed)."""
         if not self.skip_nonfinite:
             return
-        if all(t.device.type == "cpu" for group in self._groups for copy in group.copies for t in copy):
-            self._guard = FiniteCheck([group.copies[0] for group in self._groups if group.average])
-            return
+        written = (t for group in self._groups for copy in group.copies for t in copy)
+        self._guard = choose(written, self._host_check, self._staging_device_guard)
+
+    def _host_check(self) -> FiniteCheck:
+        return FiniteCheck([group.copies[0] for group in self._groups if group.average])
+
+    def _staging_device_guard(self) -> Any:
         for group in self._groups:
-            group.staging = []
-        self._guard = self._device_guard()
+            group.staging = []  # freed before the guard allocates its own
+        return self._device_guard()
 
     def _device_guard(self) -> Any:
         raise NotImplementedError

@@ -7,6 +7,9 @@
 * ``device``: ``NonFiniteGuard`` and ``ProfilesGuard``, the finiteness decided on the device with no host sync (an
   average or a target elsewhere): the live values staged into one flat buffer per group, checked, then averaged or
   selected; and ``skipped_updates``, the count read back.
+* ``choice``: which of the two an owner gets, chosen there alone for the averages (``copy_correct.averages.shadow``)
+  and the target networks (``copy_correct.target``): the host check when every tensor the owner writes is on the CPU,
+  else the device guard.
 
 Copy contract: a skipped update writes nothing the user sees; the guard's scratch and staging are its own storage,
 allocated once per guard. What autograd sees: nothing (every write under ``no_grad``).
