@@ -42,7 +42,7 @@ from copy_correct.guards.choice import choose
 from copy_correct.guards.device import guard_wanted
 from copy_correct.guards.host import FiniteCheck
 
-__all__ = ["Group", "Shadows", "check_tensors", "copy_into", "gathered", "write_into"]
+__all__ = ["Group", "Shadows", "check_tensors", "copy_into", "gathered", "misfit", "write_into"]
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -404,17 +404,25 @@ def write_into(model: nn.Module, shadows: Mapping[str, torch.Tensor], kind: str)
     reshard(model)
     targets = model.state_dict(keep_vars=True)
     for name, shadow in shadows.items():
-        if name not in targets or targets[name].shape != shadow.shape:
-            found = tuple(targets[name].shape) if name in targets else "nothing"
-            raise ValueError(f"cannot copy the {kind} into this model: {name!r} {tuple(shadow.shape)} vs {found}")
+        wrong = misfit(targets, name, shadow)
+        if wrong is not None:
+            raise ValueError(f"cannot copy the {kind} into this model: {wrong}")
         if layout(targets[name]) != layout(shadow):
             raise ValueError(
                 f"cannot copy the {kind} into this model: {name!r} is {layout(shadow)} in the {kind}, "
                 f"{layout(targets[name])} in the model (for an unsharded model, load full_state_dict())"
             )
-    with torch.no_grad():
-        for name, shadow in shadows.items():
-            local(targets[name]).copy_(local(shadow))
+    copy_into(targets, shadows)  # spread alike: each tensor's local part into the other's
+
+
+def misfit(targets: Mapping[str, torch.Tensor], name: str, value: torch.Tensor) -> str | None:
+    """``'name' (shape) vs (shape)`` when ``targets`` (a module's ``state_dict(keep_vars=True)``) holds ``name`` in
+    another shape than ``value``'s, ``vs nothing`` when it lacks it: what a copy by name refuses; ``None`` when it
+    fits."""
+    if name in targets and targets[name].shape == value.shape:
+        return None
+    found = tuple(targets[name].shape) if name in targets else "nothing"
+    return f"{name!r} {tuple(value.shape)} vs {found}"
 
 
 def gathered(shadows: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

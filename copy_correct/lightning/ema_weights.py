@@ -38,7 +38,8 @@ import torch
 
 from copy_correct.averages.ema import EMA
 from copy_correct.averages.settings import ema_settings
-from copy_correct.core.sharding import is_sharded, local, local_part, reshard
+from copy_correct.averages.shadow import copy_into, misfit
+from copy_correct.core.sharding import reshard
 from copy_correct.errors import CheckpointMismatch
 from copy_correct.lightning._averaging_callback import AveragingCallback, distributed, named_as_the_module
 from copy_correct.lightning._distributed_state import names_keys, read_into, store_under_keys
@@ -325,15 +326,8 @@ def _copy_into_module(module: torch.nn.Module, values: Mapping[str, torch.Tensor
     ``DTensor``s or full tensors, of which each rank copies its own part), then drop FSDP2's gathered copies."""
     targets = module.state_dict(keep_vars=True)
     for name, value in values.items():
-        if name not in targets or tuple(targets[name].shape) != tuple(value.shape):
-            found = tuple(targets[name].shape) if name in targets else "nothing"
-            raise ValueError(
-                f"the checkpoint's live weights do not fit the model: {name!r} {tuple(value.shape)} vs {found}"
-            )
-    with torch.no_grad():
-        for name, value in values.items():
-            target = targets[name]
-            if is_sharded(target) and not is_sharded(value):
-                value = local_part(value, target)
-            local(target).copy_(local(value))
+        wrong = misfit(targets, name, value)
+        if wrong is not None:
+            raise ValueError(f"the checkpoint's live weights do not fit the model: {wrong}")
+    copy_into(targets, values)
     reshard(module)

@@ -38,6 +38,7 @@ import torch
 from copy_correct.averages.posthoc import load_snapshot, snapshot_paths
 from copy_correct.averages.power_ema import PowerEMA, snapshot_name
 from copy_correct.averages.settings import power_ema_settings
+from copy_correct.averages.shadow import gathered
 from copy_correct.core.sharding import is_sharded, layout
 from copy_correct.files.atomic_save import atomic_save
 from copy_correct.files.link_or_copy import link_or_copy
@@ -230,7 +231,7 @@ class PostHocEMASnapshots(AveragingCallback):
                 for k, profile in enumerate(profiles)
             ]  # fmt: skip
         else:  # one file, written by rank 0 (the others' weights are empty here): every rank joins the gathers
-            state["profiles"] = [_full(profile) for profile in profiles]
+            state["profiles"] = [gathered(profile) for profile in profiles]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "power_ema" in state_dict:
@@ -261,15 +262,6 @@ class PostHocEMASnapshots(AveragingCallback):
         for holders, saved in zip(read, state["profiles"], strict=True):
             read_into(holders, {name: saved[name] for name in holders}, self._ckpt_path)
         return {**state, "profiles": profiles}
-
-
-def _full(profile: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A profile as full CPU tensors (each sharded one gathered: every rank calls this); ties kept."""
-    made: dict[int, torch.Tensor] = {}
-    for t in profile.values():
-        if id(t) not in made:
-            made[id(t)] = t.full_tensor().cpu() if is_sharded(t) else t.detach().cpu().clone()
-    return {name: made[id(t)] for name, t in profile.items()}
 
 
 def _checkpoint_dir(trainer: pl.Trainer) -> Path:
