@@ -101,20 +101,7 @@ class EMA(Shadows):
         skip_nonfinite: bool = False,
     ) -> None:
         module("model", model)
-        settings = ema_settings(
-            decay,
-            warmup=warmup,
-            warmup_power=warmup_power,
-            warmup_gamma=warmup_gamma,
-            warmup_offset=warmup_offset,
-            min_decay=min_decay,
-            update_every=update_every,
-            start_step=start_step,
-            include_buffers=include_buffers,
-            shadow_dtype=shadow_dtype,
-            device=device,
-            skip_nonfinite=skip_nonfinite,
-        )
+        settings = ema_settings(locals())  # every argument by name: the signature above is where each is written
         self.schedule = settings.schedule
         self.decay = self.schedule.decay
         self.warmup = self.schedule.warmup
@@ -125,14 +112,7 @@ class EMA(Shadows):
         self._swap: Swap | None = None  # set while average_weights holds the average in the model
         self._module: nn.Module | None = None  # the average as a module, made on the first read of ``module``
         self._share_checked = False  # initial_share is checked once, when the average is first used
-        self._init_shadows(
-            model,
-            1,
-            include_buffers=settings.include_buffers,
-            shadow_dtype=settings.shadow_dtype,
-            device=settings.device,
-            skip_nonfinite=settings.skip_nonfinite,
-        )
+        self._init_shadows(model, 1, settings)
 
     def _device_guard(self) -> NonFiniteGuard:
         """The guard of a shadow off the CPU: it stages, checks and averages (or selects) on the device."""

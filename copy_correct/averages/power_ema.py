@@ -97,15 +97,7 @@ class PowerEMA(Shadows):
         skip_nonfinite: bool = False,
     ) -> None:
         module("model", model)
-        settings = power_ema_settings(
-            sigma_rels,
-            update_every=update_every,
-            snapshot_every=snapshot_every,
-            snapshot_dir=snapshot_dir,
-            include_buffers=include_buffers,
-            shadow_dtype=shadow_dtype,
-            skip_nonfinite=skip_nonfinite,
-        )
+        settings = power_ema_settings(locals())  # every argument by name, as written in the signature above
         self.sigma_rels = settings.sigma_rels
         self.gammas = settings.gammas
         self.update_every = settings.update_every
@@ -113,14 +105,7 @@ class PowerEMA(Shadows):
         self.snapshot_dir = settings.snapshot_dir
         self.step = 0  # optimizer steps seen (update() calls)
         self.updated_step = 0  # the step of the last averaging update: the profiles hold weights of steps 1..this
-        self._init_shadows(
-            model,
-            len(self.sigma_rels),
-            include_buffers=settings.include_buffers,
-            shadow_dtype=settings.shadow_dtype,
-            device=None,
-            skip_nonfinite=settings.skip_nonfinite,
-        )  # under skip_nonfinite, ``_applied`` holds the step of the last applied update
+        self._init_shadows(model, len(self.sigma_rels), settings)  # skip_nonfinite: ``_applied``, the last applied step
 
     @property
     def profiles(self) -> list[dict[str, torch.Tensor]]:

@@ -1,12 +1,15 @@
 """The settings of ``EMA`` and ``PowerEMA``, checked without a model: each class checks its arguments here, and so do
 the callbacks that build one later (``copy_correct.lightning``), so a bad value fails when it is given, in one line
-naming it, and the callbacks build no throwaway average to find out. Nothing here holds or copies a tensor."""
+naming it, and the callbacks build no throwaway average to find out. Each argument and its default are written once,
+in its class's signature: ``ema_settings`` and ``power_ema_settings`` read the arguments by name, and ``defaults``
+reads the signature for a callback given only some of them. Nothing here holds or copies a tensor."""
 
 from __future__ import annotations
 
+import inspect
 import os
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +20,7 @@ from copy_correct.core.checks import device as checked_device
 from copy_correct.core.checks import flag, floating_dtype, integer, real, shown
 from copy_correct.decay_schedule import DecaySchedule
 
-__all__ = ["EMASettings", "PowerEMASettings", "ema_settings", "power_ema_settings"]
+__all__ = ["EMASettings", "PowerEMASettings", "defaults", "ema_settings", "power_ema_settings"]
 
 
 @dataclass(frozen=True)
@@ -46,49 +49,40 @@ class PowerEMASettings:
     shadow_dtype: torch.dtype | None
     skip_nonfinite: bool
 
+    @property
+    def device(self) -> None:
+        """Where the profiles live: beside each model tensor (``PowerEMA`` takes no ``device``)."""
+        return None
 
-def ema_settings(
-    decay: float = 0.999,
-    *,
-    warmup: bool | str = True,
-    warmup_power: float = 2 / 3,
-    warmup_gamma: float = 1.0,
-    warmup_offset: float = 0.0,
-    min_decay: float = 0.0,
-    update_every: int = 1,
-    start_step: int = 0,
-    include_buffers: bool = True,
-    shadow_dtype: torch.dtype | None = None,
-    device: str | torch.device | None = None,
-    skip_nonfinite: bool = False,
-) -> EMASettings:
-    """``EMA``'s settings, each checked: a ``TypeError`` for a value of the wrong type, a ``ValueError`` for one out of
-    range, in one line naming the argument and what it takes."""
+
+def defaults(average: Callable[..., Any]) -> dict[str, Any]:
+    """The arguments of ``average`` (``EMA``, ``PowerEMA``) but the model, each with its default, read from its
+    signature: what a callback given only some of them fills in the others with."""
+    return {p.name: p.default for p in list(inspect.signature(average).parameters.values())[1:]}
+
+
+def ema_settings(arguments: Mapping[str, Any]) -> EMASettings:
+    """``EMA``'s arguments but the model, read by name (``EMA``'s own, or ``defaults(EMA)`` and a callback's), each
+    checked: a ``TypeError`` for a value of the wrong type, a ``ValueError`` for one out of range, in one line naming
+    the argument and what it takes. The schedule's arguments are ``DecaySchedule``'s fields, by the same names."""
+    device = arguments["device"]
     return EMASettings(
-        schedule=DecaySchedule(decay, warmup, warmup_power, warmup_gamma, warmup_offset, min_decay),
-        update_every=integer("update_every", update_every, 1),
-        start_step=integer("start_step", start_step, 0),
-        include_buffers=flag("include_buffers", include_buffers),
-        shadow_dtype=floating_dtype("shadow_dtype", shadow_dtype),
+        schedule=DecaySchedule(**{field.name: arguments[field.name] for field in fields(DecaySchedule)}),
+        update_every=integer("update_every", arguments["update_every"], 1),
+        start_step=integer("start_step", arguments["start_step"], 0),
+        include_buffers=flag("include_buffers", arguments["include_buffers"]),
+        shadow_dtype=floating_dtype("shadow_dtype", arguments["shadow_dtype"]),
         device=checked_device("device", device) if device is not None else None,
-        skip_nonfinite=flag("skip_nonfinite", skip_nonfinite),
+        skip_nonfinite=flag("skip_nonfinite", arguments["skip_nonfinite"]),
     )
 
 
-def power_ema_settings(
-    sigma_rels: Sequence[float] = (0.05, 0.10),
-    *,
-    update_every: int = 1,
-    snapshot_every: int | None = None,
-    snapshot_dir: str | os.PathLike[str] | None = None,
-    include_buffers: bool = True,
-    shadow_dtype: torch.dtype | None = None,
-    skip_nonfinite: bool = False,
-) -> PowerEMASettings:
-    """``PowerEMA``'s settings, each checked as ``ema_settings`` checks ``EMA``'s."""
-    sigma_rels = _sigma_rels(sigma_rels)
+def power_ema_settings(arguments: Mapping[str, Any]) -> PowerEMASettings:
+    """``PowerEMA``'s arguments but the model, read by name and checked as ``ema_settings`` checks ``EMA``'s."""
+    sigma_rels = _sigma_rels(arguments["sigma_rels"])
     gammas = tuple(sigma_rel_to_gamma(s) for s in sigma_rels)
-    update_every = integer("update_every", update_every, 1)
+    update_every = integer("update_every", arguments["update_every"], 1)
+    snapshot_every, snapshot_dir = arguments["snapshot_every"], arguments["snapshot_dir"]
     if snapshot_every is not None and (integer("snapshot_every", snapshot_every, 1) % update_every):
         raise ValueError(
             f"snapshot_every must be a positive multiple of update_every={update_every}, got {snapshot_every}"
@@ -103,9 +97,9 @@ def power_ema_settings(
         update_every=update_every,
         snapshot_every=snapshot_every,
         snapshot_dir=Path(snapshot_dir) if snapshot_dir is not None else None,
-        include_buffers=flag("include_buffers", include_buffers),
-        shadow_dtype=floating_dtype("shadow_dtype", shadow_dtype),
-        skip_nonfinite=flag("skip_nonfinite", skip_nonfinite),
+        include_buffers=flag("include_buffers", arguments["include_buffers"]),
+        shadow_dtype=floating_dtype("shadow_dtype", arguments["shadow_dtype"]),
+        skip_nonfinite=flag("skip_nonfinite", arguments["skip_nonfinite"]),
     )
 
 

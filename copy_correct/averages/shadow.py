@@ -35,6 +35,7 @@ from torch import nn
 
 from copy_correct.averages.model_changes import Entry, ModelWatch, changes
 from copy_correct.averages.peer_calls import missing, not_callable
+from copy_correct.averages.settings import EMASettings, PowerEMASettings
 from copy_correct.core.foreach_writes import foreach_copy_
 from copy_correct.core.module_tensors import DATA_PTR, TensorRefs, state_entries, unwrap
 from copy_correct.core.sharding import from_local, is_sharded, layout, local, local_part, reshard
@@ -76,37 +77,28 @@ class Shadows:
     _moved_hint: ClassVar[str] = ""  # how to avoid a model moved after construction, for the message
     _not_copied: ClassVar[dict[str, Any]] = {}  # attributes a pickled copy leaves out, beyond the model's
 
-    def _init_shadows(
-        self,
-        model: nn.Module,
-        copies: int,
-        *,
-        include_buffers: bool,
-        shadow_dtype: torch.dtype | None,
-        device: torch.device | None,
-        skip_nonfinite: bool,
-    ) -> None:
-        """Build ``copies`` shadows of ``model`` (already checked to be a module) and, under ``skip_nonfinite``, the
-        guard."""
-        self.include_buffers = include_buffers
-        self.shadow_dtype = shadow_dtype
-        self.device = device
+    def _init_shadows(self, model: nn.Module, copies: int, settings: EMASettings | PowerEMASettings) -> None:
+        """Build ``copies`` shadows of ``model`` (already checked to be a module) as ``settings`` say and, under
+        ``skip_nonfinite``, the guard."""
+        self.include_buffers = settings.include_buffers
+        self.shadow_dtype = settings.shadow_dtype
+        self.device = settings.device
         tracked = unwrap(model)
         self._model: nn.Module | None = tracked  # None in a copy, until it is given a model (track)
         self.sharded = any(is_sharded(p) for p in tracked.parameters())
-        if self.sharded and device is not None:
+        if self.sharded and self.device is not None:
             raise ValueError(
-                f"device={str(device)!r} is not supported for a sharded (FSDP2) model: leave device=None, each rank's "
-                "shadow then lives beside its shards"
+                f"device={str(self.device)!r} is not supported for a sharded (FSDP2) model: leave device=None, each "
+                "rank's shadow then lives beside its shards"
             )
         self._watch = ModelWatch()
         self._copies, self._groups = self._build(tracked, [{} for _ in range(copies)], given=False)
         self._entries = self._entries_of(tracked)
         if not any(group.average for group in self._groups):
-            buffers = "parameters or buffers" if include_buffers else "parameters (include_buffers=False)"
+            buffers = "parameters or buffers" if self.include_buffers else "parameters (include_buffers=False)"
             raise ValueError(f"model ({type(tracked).__name__}) has no floating {buffers}: nothing to average")
         self.skip_nonfinite = guard_wanted(
-            skip_nonfinite,
+            settings.skip_nonfinite,
             self._kind,
             sharded=self.sharded,
             tensors={name: local(t) for name, t in self._copies[0].items()},

@@ -24,21 +24,23 @@ from copy_correct.guards.device import skipped_updates
 from copy_correct.lightning._rank_zero_buffers import RankZeroBuffers
 from copy_correct.lightning._skip_log import SkipLog
 
-__all__ = ["AveragingCallback", "averaged_module", "named_as_the_module", "named_as_the_submodule"]
+__all__ = ["AveragingCallback", "average_arguments", "averaged_module", "named_as_the_module", "named_as_the_submodule"]
 
 
 class AveragingCallback(pl.Callback):
-    """A subclass names itself (``_owner``), the key of the average's state in its own (``_state_name``) and that
-    state's mappings by tensor name (``_named``: renamed to the LightningModule's names in checkpoints), and gives its
-    average (``_averager``, ``None`` until built) and ``_read`` (the state with its tensors, read from a distributed
-    checkpoint where it names keys there)."""
+    """A subclass names itself (``_owner``), the key of the average's state in its own (``_state_name``, also the
+    attribute that holds the average, ``None`` until built) and that state's mappings by tensor name (``_named``:
+    renamed to the LightningModule's names in checkpoints); it passes ``key``, the setting that names its state in a
+    checkpoint (its first argument: ``decay``, ``sigma_rels``), and gives ``_read`` (the state with its tensors, read
+    from a distributed checkpoint where it names keys there)."""
 
     _owner: str
     _state_name: str
     _named: tuple[str, ...] = ()
 
-    def __init__(self, module: str | None, skips: SkipLog) -> None:
+    def __init__(self, module: str | None, skips: SkipLog, key: dict[str, Any]) -> None:
         self.module = module or None
+        self._key_settings = key
         self._trainer: pl.Trainer | None = None
         self._broadcast = RankZeroBuffers()
         self._skips = skips
@@ -47,15 +49,16 @@ class AveragingCallback(pl.Callback):
 
     @property
     def _averager(self) -> Any:
-        raise NotImplementedError
+        return getattr(self, self._state_name)
 
     def _read(self, average: Any, state: Mapping[str, Any]) -> Mapping[str, Any]:
         raise NotImplementedError
 
-    def _key(self, **settings: Any) -> str:
-        """The state key: the settings, and ``module`` when one is averaged."""
+    @property
+    def state_key(self) -> str:
+        """The key of this callback's state in a checkpoint: its first setting, and ``module`` when one is averaged."""
         module = {"module": self.module} if self.module is not None else {}
-        return self._generate_state_key(**settings, **module)
+        return self._generate_state_key(**self._key_settings, **module)
 
     def _averaged(self, pl_module: pl.LightningModule) -> torch.nn.Module:
         return averaged_module(pl_module, self.module, self._owner)
@@ -126,6 +129,21 @@ class AveragingCallback(pl.Callback):
     @property
     def _ckpt_path(self) -> str | None:
         return self._trainer.ckpt_path if self._trainer is not None else None
+
+
+def average_arguments(
+    owner: str, given: Mapping[str, Any], kind: str, defaults: dict[str, Any], own: tuple[str, ...]
+) -> dict[str, Any]:
+    """``given``, the arguments a callback takes for its average, with the average's ``defaults`` for the others
+    (``copy_correct.averages.settings.defaults``), to be checked as the average ``kind`` checks them; a ``TypeError``
+    for a name neither the average nor the callback (``own``) takes, naming what they take."""
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        takes = ", ".join(own[:-1]) + " and " + own[-1] if len(own) > 1 else own[0]
+        raise TypeError(
+            f"{owner} got an unexpected argument {unknown[0]!r}: it takes {', '.join(defaults)} ({kind}'s), {takes}"
+        )
+    return defaults | dict(given)
 
 
 def distributed(weights: Mapping[str, torch.Tensor]) -> bool:

@@ -29,7 +29,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from contextlib import ExitStack
 from functools import partial
-from inspect import signature
 from itertools import zip_longest
 from typing import Any
 
@@ -37,11 +36,16 @@ import lightning.pytorch as pl
 import torch
 
 from copy_correct.averages.ema import EMA
-from copy_correct.averages.settings import ema_settings
+from copy_correct.averages.settings import defaults, ema_settings
 from copy_correct.averages.shadow import copy_into, misfit
 from copy_correct.core.sharding import reshard
 from copy_correct.errors import CheckpointMismatch
-from copy_correct.lightning._averaging_callback import AveragingCallback, distributed, named_as_the_module
+from copy_correct.lightning._averaging_callback import (
+    AveragingCallback,
+    average_arguments,
+    distributed,
+    named_as_the_module,
+)
 from copy_correct.lightning._distributed_state import names_keys, read_into, store_under_keys
 from copy_correct.lightning._ema_pass import EMAPass, held_back, logged_with
 from copy_correct.lightning._lightning_internals import (
@@ -60,7 +64,8 @@ from copy_correct.lightning._skip_log import SkipLog
 
 __all__ = ["EMAWeights"]
 
-_EMA_ARGUMENTS = tuple(signature(ema_settings).parameters)[1:]  # EMA's keywords after decay
+_EMA_DEFAULTS = defaults(EMA)  # EMA's arguments but the model and their defaults, read from its signature once
+_OWN = ("evaluate", "suffix", "checkpoint_weights", "ema_weights_at_end", "module")
 _EVALUATE = ("both", "ema", "live")
 _CHECKPOINT_WEIGHTS = ("ema", "live")
 _NEEDS = {  # the Lightning internals each evaluation mode goes through
@@ -96,31 +101,18 @@ class EMAWeights(AveragingCallback):
             raise ValueError(f"checkpoint_weights must be one of {_CHECKPOINT_WEIGHTS}, got {checkpoint_weights!r}")
         if not suffix:
             raise ValueError("suffix must be a non-empty string")
-        unknown = sorted(set(ema) - set(_EMA_ARGUMENTS))
-        if unknown:
-            raise TypeError(
-                f"EMAWeights got an unexpected argument {unknown[0]!r}: it takes decay, {', '.join(_EMA_ARGUMENTS)} "
-                "(EMA's), evaluate, suffix, checkpoint_weights, ema_weights_at_end and module"
-            )
-        ema_settings(decay, **ema)  # bad values fail now, in EMA's words; the EMA is built when fit starts
+        arguments = average_arguments("EMAWeights", {"decay": decay, **ema}, "EMA", _EMA_DEFAULTS, _OWN)
+        ema_settings(arguments)  # bad values fail now, in EMA's words; the EMA is built when fit starts
         self._ema_kwargs: dict[str, Any] = {"decay": decay, **ema}
         self.evaluate = evaluate
         self.suffix = suffix
         self.checkpoint_weights = checkpoint_weights
         self.ema_weights_at_end = ema_weights_at_end
-        super().__init__(module, SkipLog("ema/skipped", "EMA"))
+        super().__init__(module, SkipLog("ema/skipped", "EMA"), {"decay": decay})
         self.ema: EMA | None = None
         self._wrapped: list[Any] = []  # the evaluation loops whose run setup wrapped, for teardown
         self._in_run = False  # inside a run setup wrapped: each evaluation's start checks it
         self._pass: EMAPass | None = None  # the EMA evaluation in progress
-
-    @property
-    def state_key(self) -> str:
-        return self._key(decay=self._ema_kwargs["decay"])
-
-    @property
-    def _averager(self) -> EMA | None:
-        return self.ema
 
     def _ensure_ema(self, pl_module: pl.LightningModule) -> EMA:
         if self.ema is None:

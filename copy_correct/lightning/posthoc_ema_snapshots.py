@@ -37,22 +37,31 @@ import torch
 
 from copy_correct.averages.posthoc import load_snapshot, snapshot_paths
 from copy_correct.averages.power_ema import PowerEMA, snapshot_name
-from copy_correct.averages.settings import power_ema_settings
+from copy_correct.averages.settings import defaults, power_ema_settings
 from copy_correct.averages.shadow import gathered
 from copy_correct.core.sharding import is_sharded, layout
 from copy_correct.files.atomic_save import atomic_save
 from copy_correct.files.link_or_copy import link_or_copy
-from copy_correct.lightning._averaging_callback import AveragingCallback, distributed
+from copy_correct.lightning._averaging_callback import AveragingCallback, average_arguments, distributed
 from copy_correct.lightning._distributed_state import read_into, store_under_keys
 from copy_correct.lightning._skip_log import SkipLog
 
 __all__ = ["PostHocEMASnapshots"]
 
+_POWER_EMA_DEFAULTS = defaults(PowerEMA)  # PowerEMA's arguments but the model and their defaults, read once
+_OWN = (
+    "module",
+)  # beside PowerEMA's names, snapshot_every and snapshot_dir among them (with this callback's defaults)
+
 
 class PostHocEMASnapshots(AveragingCallback):
-    """Args: those of ``PowerEMA`` (``sigma_rels`` ... ``skip_nonfinite``); ``snapshot_dir`` defaults to
-    ``power_ema/`` in the checkpoint directory; ``module``: the submodule to average (an attribute path of the
-    LightningModule, ``"generator"``), ``None`` for all of it."""
+    """Args: ``sigma_rels`` and, as keywords, the other arguments of ``PowerEMA`` (``update_every``,
+    ``include_buffers``, ``shadow_dtype``, ``skip_nonfinite``: ``power_ema``, checked here as ``PowerEMA`` checks them,
+    without building one); ``snapshot_every``: every this many optimizer steps, 1000 by default where ``PowerEMA``'s is
+    ``None`` (deliberately: this callback exists to write the snapshots that post-hoc EMA is made from, so it always
+    schedules them); ``snapshot_dir``: where they go, ``power_ema/`` in the checkpoint directory by default;
+    ``module``: the submodule to average (an attribute path of the LightningModule, ``"generator"``), ``None`` for all
+    of it."""
 
     _owner, _state_name = "PostHocEMASnapshots", "power_ema"
 
@@ -60,27 +69,20 @@ class PostHocEMASnapshots(AveragingCallback):
         self,
         sigma_rels: tuple[float, ...] = (0.05, 0.10),
         *,
-        update_every: int = 1,
         snapshot_every: int = 1000,
         snapshot_dir: str | Path | None = None,
-        include_buffers: bool = True,
-        shadow_dtype: torch.dtype | None = None,
-        skip_nonfinite: bool = False,
         module: str | None = None,
+        **power_ema: Any,
     ) -> None:
-        settings: dict[str, Any] = {
-            "update_every": update_every,
-            "include_buffers": include_buffers,
-            "shadow_dtype": shadow_dtype,
-            "skip_nonfinite": skip_nonfinite,
-        }
+        given = {"sigma_rels": sigma_rels, **power_ema}
+        arguments = average_arguments("PostHocEMASnapshots", given, "PowerEMA", _POWER_EMA_DEFAULTS, _OWN)
         # Bad values fail now, in PowerEMA's words; the PowerEMA is built when fit starts. The directory stands in for
         # the one fit picks, so that snapshot_every is checked against update_every.
-        checked = power_ema_settings(sigma_rels, snapshot_every=snapshot_every, snapshot_dir=".", **settings)
-        self._kwargs: dict[str, Any] = {"sigma_rels": checked.sigma_rels, **settings}
+        checked = power_ema_settings(arguments | {"snapshot_every": snapshot_every, "snapshot_dir": "."})
+        self._kwargs: dict[str, Any] = {"sigma_rels": checked.sigma_rels, **power_ema}  # it writes the snapshots itself
         self.snapshot_every = snapshot_every
         self.snapshot_dir = Path(snapshot_dir) if snapshot_dir is not None else None
-        super().__init__(module, SkipLog("posthoc_ema/skipped", "PowerEMA"))
+        super().__init__(module, SkipLog("posthoc_ema/skipped", "PowerEMA"), {"sigma_rels": checked.sigma_rels})
         self._directory: Path | None = None  # where this rank writes snapshots; None: it writes none (rank > 0)
         self.power_ema: PowerEMA | None = None
         self._fit_start_step = 0  # the profiles' step when this fit started training
@@ -88,14 +90,6 @@ class PostHocEMASnapshots(AveragingCallback):
         self._stale: Path | None = None  # the final snapshot of the fit this one resumed, removed at the next one
         self._previous: int | None = 0  # the step of the history's last scheduled snapshot; None: unknown (old state)
         self.carried: list[tuple[Path, str]] = []  # what this fit carried over from the run it resumed: path, how
-
-    @property
-    def state_key(self) -> str:
-        return self._key(sigma_rels=self._kwargs["sigma_rels"])
-
-    @property
-    def _averager(self) -> PowerEMA | None:
-        return self.power_ema
 
     @property
     def writes(self) -> bool:

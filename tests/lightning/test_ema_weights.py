@@ -425,6 +425,21 @@ def test_bad_arguments_fail_at_construction() -> None:
         EMAWeights(decay_rate=0.9)
 
 
+def test_the_callback_takes_emas_arguments_as_ema_writes_them() -> None:
+    """Each of ``EMA``'s arguments, read from its signature (``decay`` first, with ``EMA``'s default), and no other:
+    the control, a name ``EMA`` does not take, is refused naming every one it takes."""
+    from inspect import signature
+
+    from copy_correct.averages.settings import defaults
+
+    assert signature(EMAWeights).parameters["decay"].default == signature(EMA).parameters["decay"].default
+    for name, value in defaults(EMA).items():
+        assert EMAWeights(**{name: value})._ema_kwargs == {"decay": 0.999, name: value}
+    takes = ", ".join(defaults(EMA))
+    with pytest.raises(TypeError, match=rf"^EMAWeights got an unexpected argument 'snapshot_every': it takes {takes} "):
+        EMAWeights(snapshot_every=10)
+
+
 @pytest.mark.parametrize(
     "bad",
     [{"decay": 1.5}, {"warmup_power": "x"}, {"update_every": 0}, {"start_step": True}, {"shadow_dtype": torch.int64},

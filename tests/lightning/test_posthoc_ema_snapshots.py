@@ -268,6 +268,25 @@ def test_bad_arguments_fail_at_construction_which_draws_nothing_from_the_generat
         PostHocEMASnapshots(sigma_rels=(0.05, 0.5))
 
 
+def test_the_callback_takes_power_emas_arguments_and_schedules_snapshots_by_default() -> None:
+    """Each of ``PowerEMA``'s arguments, read from its signature (``sigma_rels`` first, with ``PowerEMA``'s default),
+    and no other; ``snapshot_every`` is 1000 where ``PowerEMA``'s is ``None``, on purpose (the callback's docstring).
+    The control: a name ``PowerEMA`` does not take is refused naming every one it takes."""
+    from inspect import signature
+
+    from copy_correct.averages.settings import defaults
+
+    ours, theirs = signature(PostHocEMASnapshots).parameters, signature(PowerEMA).parameters
+    assert ours["sigma_rels"].default == theirs["sigma_rels"].default
+    assert (ours["snapshot_every"].default, theirs["snapshot_every"].default) == (1000, None)
+    for name, value in defaults(PowerEMA).items():
+        if name not in ("snapshot_every", "snapshot_dir"):  # the callback's own: it writes the snapshots
+            assert PostHocEMASnapshots(**{name: value})._kwargs[name] == value
+    takes = ", ".join(defaults(PowerEMA))
+    with pytest.raises(TypeError, match=rf"^PostHocEMASnapshots got an unexpected argument 'decay': it takes {takes} "):
+        PostHocEMASnapshots(decay=0.9)
+
+
 @pytest.mark.parametrize(
     "bad",
     [{"sigma_rels": 0.05}, {"sigma_rels": (0.05, 0.05)}, {"update_every": 0}, {"include_buffers": 1},
