@@ -1,59 +1,22 @@
 """Recipe ``dqn``: deep Q-learning on a gymnasium environment with a target network kept current by in-place copies.
 
-    python train.py +recipe=dqn                      # CartPole-v1; hard target update every target_update_every steps
+    python train.py +recipe=dqn                          # CartPole-v1, a hard target update every 128 updates
     python train.py +recipe=dqn model.tau=0.005 model.target_update_every=1     # soft (Polyak) updates
-    python train.py +recipe=dqn env.id=Acrobot-v1    # any environment with Discrete actions and Box observations
+    python train.py +recipe=dqn env.id=Acrobot-v1        # any environment with Discrete actions and Box observations
     python train.py +recipe=dqn +dqn=atari trainer=gpu   # Breakout as CleanRL's dqn_atari.py plays it (atari extra)
 
-What it shows:
-  * The target network is ``make_target(q)``: a frozen copy with storage of its own, no gradients, never in
-    the optimizer, and kept in eval mode even when Lightning switches the module to training mode.
-  * ``hard_update`` / ``soft_update`` write into the target's storage in place: one foreach call per
-    dtype group, no allocation, never ``load_state_dict`` in the loop, never ``.data``.
-  * The bootstrap target ``r + gamma * max Q_target(s')`` is computed under ``no_grad``: no graph through
-    the target network, so no gradient can reach it and no activations of it are kept.
-  * Experience lives in a preallocated ``ReplayBuffer`` built from the spaces; samples are independent tensors.
-    Stacks of frames (Atari: 4 frames of 84x84) go into a ``FrameReplayBuffer``, which keeps each frame once and
-    rebuilds the stacks when it samples: an eighth of the memory (``model.replay``).
-  * Truncation (a time limit: CartPole's 500 steps) is not termination: those transitions still bootstrap.
-  * ``model.compress=zstd`` (Atari): each frame compressed once as it is stored (Pong: 208 bytes a transition, not
-    7,193), ``FrameReplayBuffer``'s ``compress`` (the compress extra); the batches are the same, bit for bit.
-  * ``model.n_steps`` (1 by default): n-step returns, read by the buffer from its one-step rows at sample time; the
-    target bootstraps by the batch's ``discounts`` (``gamma**m`` for the ``m`` rewards summed), not by ``gamma``.
+Copy contract, each marked ``# Copy decision:`` where the code makes it:
+  * The target is ``make_target(q)``, the run's one deep copy: storage of its own, no gradients, never in the
+    optimizer, in eval mode whatever its parent's mode. ``hard_update``/``soft_update`` then write it in place, one
+    foreach call per dtype group and no allocation: never ``load_state_dict`` in the loop, never ``.data``.
+  * ``buffer.add`` copies each transition into storage allocated once (stacks of frames: a ``FrameReplayBuffer``,
+    each frame kept once); ``buffer.sample`` gathers a batch into new memory that aliases no row.
+  * The TD target ``r + discounts * max Q_target(s')`` is computed under ``no_grad``: no graph through the target.
 
-One Lightning "batch" is one round: ``train_freq`` environment steps, then ``gradient_steps`` updates.
-Greedy evaluation (``eval_episodes`` episodes) every ``eval_every`` environment steps, after the updates of the
-round that reaches the mark (so the checkpoint taken then holds the evaluated policy), is logged as
-``eval/return``; the first evaluation to reach the environment's ``spec.reward_threshold`` (CartPole-v1: 475,
-Acrobot-v1: -100; some environments have none) is logged as ``eval/solved_at_step``; the run directory gets
-``return_curve.png``. DQN runs in one process (``trainer=ddp`` and ``trainer=fsdp`` are refused): environment
-steps are sequential, and averaging gradients of ranks that explore differently would change the algorithm.
-
-Checkpoints (after any round) resume bit for bit: besides the networks and Adam's state they hold the
-replay buffer, the counters, both generators' states, the curves, and the current episode as the
-environment generator's state at its reset plus its actions so far; resuming replays that episode, which
-lands on the checkpoint's observation exactly (checked) because gymnasium environments are deterministic
-given their generator. Where an episode is one life of a game (Atari), the replay starts at the game's reset and
-repeats the lives lost since. A checkpoint of a run on another environment is refused.
-
-The environment comes from ``make_env`` (``recipes/dqn_env.py``), the run's ``return_curve.png`` from
-``plot_returns`` (``recipes/dqn_plot.py``); this file is the algorithm, its methods in the order Lightning calls them.
-
-Callbacks (``conf/callbacks/default.yaml``'s, which every recipe has; ``conf/recipe/dqn.yaml`` sets the checkpoints
-to every round):
-  * ``ResumeState`` (``copy_correct/lightning/resume.py``): copies of torch's, NumPy's and Python's global generators'
-    states in every checkpoint, put back when a fit resumes. DQN draws from generators of its own (``rng``,
-    ``sampler``, the environment's), which ``on_save_checkpoint`` here keeps; its loader is a clock
-    (``batch_size=None``), with no order for ``resume_data_order.py`` to record.
-  * ``IsolatedEvaluation`` (``copy_correct/lightning/isolated_evaluation.py``) would undo a validation's draws; this
-    recipe runs none (``limit_val_batches: 0``): its greedy evaluation plays inside ``training_step``, on an
-    environment and seeds of its own, and draws nothing from ``rng``.
-  * ``ModelCheckpoint`` and ``LastCheckpoint`` (``copy_correct/lightning/last_checkpoint.py``), after every round,
-    through ``AtomicCheckpointIO`` (``atomic_checkpoint.py``): each storage, the replay buffer's too, streamed once
-    into a file beside the target and renamed over it; no copy of the buffer in memory.
-  * ``NonFiniteStop`` (``copy_correct/lightning/nonfinite_stop.py``): the step returns no loss, so it reads the
-    weights (never copies them) every 50 rounds and before each save. ``RunSummary``, ``StaleTemporaries``, the
-    progress bar: read only.
+``training_step`` is the algorithm in one block: a Lightning batch is one round of ``train_freq`` environment steps,
+then ``gradient_steps`` updates, then a greedy evaluation when the round passed a multiple of ``eval_every``. The
+section at the end makes checkpoints resume bit for bit. DQN runs in one process (``trainer=ddp`` is refused). The
+walk-through, the measurements and the tests that prove each decision: docs/recipes/dqn.md.
 
 Change first: ``QNetwork`` and the environment (``env.id``); the defaults follow well-known CartPole settings, and
 ``conf/dqn/atari.yaml`` CleanRL's ``dqn_atari.py`` (with the Nature network, ``recipes/atari.py``).
@@ -61,10 +24,12 @@ Change first: ``QNetwork`` and the environment (``env.id``); the defaults follow
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, SupportsFloat
 
+import gymnasium as gym
 import lightning.pytorch as pl
 import numpy as np
 import torch
@@ -74,16 +39,50 @@ from torch.utils.data import DataLoader
 
 from copy_correct import CheckpointMismatch, FrameReplayBuffer, ReplayBuffer, hard_update, make_target, soft_update
 from recipes.allocation import allocated
-from recipes.atari import NatureQNetwork, game_goes_on, start_a_game_at_the_next_reset
-from recipes.dqn_env import is_frame_stack, make_env
-from recipes.dqn_plot import plot_returns
+from recipes.atari import NatureQNetwork, game_goes_on, is_atari, make_atari_env, start_a_game_at_the_next_reset
 from recipes.model_setup import at_least_one, check_args
 
-__all__ = ["DQN", "QNetwork"]
+__all__ = ["DQN", "QNetwork", "is_frame_stack", "make_env", "plot_returns"]
 
 NETWORKS = ("auto", "mlp", "nature_cnn")
 REPLAYS = ("auto", "whole", "frames")
-RESET = -1  # in a checkpoint's episode actions: the env was reset there (a life lost, the game going on)
+# Environments with Discrete actions and Box observations that gymnasium registers, named in refusals.
+SUGGESTED_ENVS = "CartPole-v1, Acrobot-v1, MountainCar-v0 or LunarLander-v3 (needs gymnasium[box2d])"
+LISTING = "python -c 'import gymnasium; gymnasium.pprint_registry()' lists every id"
+
+
+def make_env(env_id: str) -> gym.Env:
+    """``gym.make(env_id)`` for DQN (an ``ALE/`` game wrapped as CleanRL wraps it, ``recipes/atari.py``): a
+    ``ValueError`` of one line naming ``model.env_id`` (the config's ``env.id``) when gymnasium cannot make it, its
+    action space is not ``Discrete`` from 0 (a DQN picks the action of the largest Q-value, by index) or its
+    observation space is not a ``Box``."""
+    where = f"model.env_id={env_id} (env.id)"
+    if is_atari(env_id) and importlib.util.find_spec("ale_py") is None:
+        raise ValueError(f"{where} needs ale-py, which plays the Atari games: pip install -e '.[atari]'")
+    try:
+        env = make_atari_env(env_id) if is_atari(env_id) else gym.make(env_id)
+    except (gym.error.Error, ModuleNotFoundError) as err:
+        said = " ".join(str(err).split())
+        raise ValueError(f"{where} cannot be made: {said.rstrip('.')}; try {SUGGESTED_ENVS} ({LISTING})") from err
+    actions, observations = env.action_space, env.observation_space
+    if not isinstance(actions, gym.spaces.Discrete):
+        kind = "a continuous" if isinstance(actions, gym.spaces.Box) else "a non-Discrete"
+        problem = f"has {kind} action space ({actions}); recipe dqn needs a Discrete one"
+        problem += " (a DQN picks the action of the largest Q-value)"
+    elif actions.start != 0:
+        problem = f"numbers its actions from {actions.start} ({actions}); recipe dqn takes the Q-network's index"
+        problem += " as the action, so they must start at 0"
+    elif not isinstance(observations, gym.spaces.Box):
+        problem = f"has {observations} observations; recipe dqn needs a Box (an array the Q-network flattens)"
+    else:
+        return env
+    env.close()
+    raise ValueError(" ".join(f"{where} {problem}: try {SUGGESTED_ENVS}".split()))
+
+
+def is_frame_stack(space: gym.Space) -> bool:
+    """Whether observations are stacks of uint8 frames (``(stack, height, width)``), as Atari's are."""
+    return isinstance(space, gym.spaces.Box) and space.dtype == np.uint8 and len(space.shape) == 3
 
 
 class QNetwork(nn.Module):
@@ -97,6 +96,39 @@ class QNetwork(nn.Module):
 
     def forward(self, obs: torch.Tensor) -> torch.Tensor:
         return self.net(obs.reshape(len(obs), -1).float())  # views and no-ops for float32 vectors: no copy
+
+
+def plot_returns(
+    curve: list[tuple[int, float]],
+    evals: list[tuple[int, float]],
+    path: Path,
+    env_id: str,
+    threshold: float | None = None,
+) -> None:
+    """The run's ``return_curve.png``: training episode returns and greedy evaluation returns against environment
+    steps, titled with ``env_id``; ``threshold`` (the environment's reward threshold), when given, a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if curve:
+        steps, returns = zip(*curve, strict=True)
+        ax.plot(steps, returns, lw=0.8, alpha=0.6, label="training episodes (epsilon-greedy)")
+    if evals:
+        steps, returns = zip(*evals, strict=True)
+        ax.plot(steps, returns, "o-", label="greedy evaluation (mean of episodes)")
+    if threshold is not None:
+        ax.axhline(threshold, color="grey", ls="--", lw=0.8, label=f"reward threshold {threshold:g}")
+    ax.set_xlabel("environment steps")
+    ax.set_ylabel("episode return")
+    ax.set_title(f"DQN on {env_id}")
+    ax.legend(loc="best", framealpha=0.9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 class DQN(pl.LightningModule):
@@ -162,7 +194,8 @@ class DQN(pl.LightningModule):
         ])  # fmt: skip
         self.save_hyperparameters()
         self.automatic_optimization = False
-        self.env, self.eval_env = make_env(env_id), make_env(env_id)
+        # The training environment records its episode in progress for the checkpoints (EpisodeRecord, at the end).
+        self.env, self.eval_env = EpisodeRecord(make_env(env_id)), make_env(env_id)
         self.reward_threshold: float | None = self.env.spec.reward_threshold  # None: no solved_at_step
         observations, actions = self.env.observation_space, self.env.action_space
         frames = is_frame_stack(observations)
@@ -190,25 +223,154 @@ class DQN(pl.LightningModule):
             what,
             "model.buffer_size",
         )
-        self.rng = np.random.default_rng(seed)
-        self.sampler = torch.Generator().manual_seed(seed)
+        self.rng = np.random.default_rng(seed)  # exploration: the epsilon coin and the random actions
+        self.sampler = torch.Generator().manual_seed(seed)  # the replay's batches
         self.env_steps = 0
         self.updates = 0
         self.obs, _ = self.env.reset(seed=seed)
         self.episode_return = 0.0
-        self.episode_start: dict[str, Any] | None = None  # env generator state before this episode's reset
-        self.episode_actions: list[int] = []  # replayed from episode_start on resume
         self.curve: list[tuple[int, float]] = []  # (env step, training episode return)
         self.evals: list[tuple[int, float]] = []  # (env step, mean greedy return)
+
+    def setup(self, stage: str) -> None:
+        if self.trainer.world_size > 1:
+            raise ValueError("recipe dqn runs in one process: use trainer=default, cpu or gpu, not ddp or fsdp")
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.q.parameters(), lr=self.hparams.lr, fused=True)  # in place, no temporaries
+
+    def train_dataloader(self) -> DataLoader:
+        rounds = math.ceil(self.hparams.total_env_steps / self.hparams.train_freq)
+        return DataLoader(range(rounds), batch_size=None)  # a clock: one item per collect-then-train round
 
     def train(self, mode: bool = True) -> DQN:
         super().train(mode)
         self.target.eval()  # Copy decision: the target is a frozen snapshot, in eval mode whatever the parent's
         return self
 
-    def setup(self, stage: str) -> None:
-        if self.trainer.world_size > 1:
-            raise ValueError("recipe dqn runs in one process: use trainer=default, cpu or gpu, not ddp or fsdp")
+    def training_step(self, round_number: int, batch_idx: int) -> None:
+        """One round: ``train_freq`` epsilon-greedy environment steps into the replay; once it holds
+        ``learning_starts`` transitions, ``gradient_steps`` updates, the target written every ``target_update_every``;
+        then a greedy evaluation if the round passed a multiple of ``eval_every``."""
+        h = self.hparams
+        evaluations_due = self.env_steps // h.eval_every
+        for _ in range(h.train_freq):
+            # Epsilon-greedy: the coin and the random action come from the training generator rng.
+            if self.rng.random() < self.epsilon():
+                action = int(self.rng.integers(self.env.action_space.n))
+            else:
+                action = self.greedy_action(self.obs)
+            next_obs, reward, terminated, truncated, _ = self.env.step(action)
+            # Copy decision: the buffer copies the arrays into its own storage; we keep no reference to them.
+            self.buffer.add(self.obs, action, reward, next_obs, terminated, truncated)
+            self.env_steps += 1
+            self.episode_return += float(reward)
+            self.obs = next_obs
+            if terminated or truncated:
+                self.curve.append((self.env_steps, self.episode_return))
+                self.log("train/episode_return", self.episode_return)
+                self.episode_return = 0.0
+                self.obs, _ = self.env.reset()
+
+        if len(self.buffer) >= h.learning_starts:
+            optimizer = self.optimizers()
+            for _ in range(h.gradient_steps):
+                # Copy decision: sample gathers the batch into new memory; later adds cannot change it.
+                batch = self.buffer.sample(h.batch_size, generator=self.sampler)
+                batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+                with torch.no_grad():  # Copy decision: no graph through the target, so nothing of it is kept
+                    next_value = self.target(batch["next_obs"]).max(dim=1).values
+                    # truncation is not termination: a truncated transition still bootstraps, by gamma**m for its m
+                    # rewards (discounts: gamma with n_steps=1)
+                    td_target = batch["reward"] + batch["discounts"] * (~batch["terminated"]).float() * next_value
+                value = self.q(batch["obs"]).gather(1, batch["action"].unsqueeze(1)).squeeze(1)
+                loss = F.smooth_l1_loss(value, td_target)
+                optimizer.zero_grad(set_to_none=True)
+                self.manual_backward(loss)
+                if h.max_grad_norm is not None:
+                    nn.utils.clip_grad_norm_(self.q.parameters(), h.max_grad_norm)
+                optimizer.step()
+                self.updates += 1
+                if self.updates % h.target_update_every == 0:
+                    # Copy decision: written in place, one foreach call per dtype group; never load_state_dict.
+                    if h.tau < 1.0:
+                        soft_update(self.target, self.q, h.tau)
+                    else:
+                        hard_update(self.target, self.q)
+            self.log("train/td_loss", loss.detach(), prog_bar=True)
+            self.log("train/epsilon", self.epsilon())
+
+        # Evaluated after this round's updates: the checkpoint written at this step's end holds the very policy
+        # that earned the score (mid-round, the saved weights would be a round of updates past it).
+        if self.env_steps // h.eval_every > evaluations_due:
+            self.evaluate()
+
+    def epsilon(self) -> float:
+        """The exploration rate: from 1 down to ``exploration_final_eps`` over the run's first
+        ``exploration_fraction`` of ``total_env_steps``, then flat."""
+        h = self.hparams
+        progress = min(1.0, self.env_steps / max(1.0, h.exploration_fraction * h.total_env_steps))
+        return 1.0 + progress * (h.exploration_final_eps - 1.0)
+
+    def greedy_action(self, obs: np.ndarray) -> int:
+        """The action of the largest Q-value; draws nothing."""
+        with torch.no_grad():
+            values = self.q(torch.from_numpy(obs).to(self.device).unsqueeze(0))
+        return int(values.argmax(dim=1).item())  # the environment runs on the CPU: one sync per step
+
+    def evaluate(self) -> None:
+        mean = self.greedy_return()
+        self.evals.append((self.env_steps, mean))
+        best = max(value for _, value in self.evals)
+        self.log("eval/return", mean, prog_bar=True)
+        self.log("eval/best_return", best)
+        self.log("env_steps", float(self.env_steps))
+        threshold = self.reward_threshold
+        solved = [step for step, value in self.evals if threshold is not None and value >= threshold]
+        if solved:
+            self.log("eval/solved_at_step", float(solved[0]))
+
+    def greedy_return(self) -> float:
+        """Mean return of ``eval_episodes`` greedy episodes, on the evaluation environment's fixed seeds.
+
+        Evaluation never moves training: the episodes play on an environment of their own, reset from seeds of their
+        own; the actions draw nothing from the training generator ``rng``; and the Q-network plays in eval mode, so a
+        network with BatchNorm or dropout neither updates its statistics nor draws masks here. It goes back to the
+        mode it was in."""
+        returns, training = [], self.q.training
+        self.q.eval()
+        try:
+            for episode in range(self.hparams.eval_episodes):
+                obs, _ = self.eval_env.reset(seed=self.hparams.seed + 10_000 + episode)
+                total, done = 0.0, False
+                while not done:
+                    obs, reward, terminated, truncated, _ = self.eval_env.step(self.greedy_action(obs))
+                    total += float(reward)
+                    done = terminated or truncated
+                returns.append(total)
+        finally:
+            self.q.train(training)
+        return float(np.mean(returns))
+
+    def on_train_end(self) -> None:
+        if self.trainer.is_global_zero:
+            path = Path(self.trainer.default_root_dir) / "return_curve.png"
+            plot_returns(self.curve, self.evals, path, self.hparams.env_id, self.reward_threshold)
+
+    # --- Resume: what a checkpoint holds besides the networks and Adam's state, and how a run goes on from it -------
+    # The replay buffer, the counters, both generators' states, the curves, and the episode in progress: the
+    # environment generator's state at its game's reset and the actions since (EpisodeRecord). Resuming replays that
+    # episode, which lands on the checkpoint's observation exactly (checked): gymnasium environments are deterministic
+    # given their generator. Everything else (the global generators, the loops) is Lightning's and ResumeState's.
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["replay_buffer"] = self.buffer.state_dict()
+        checkpoint["dqn"] = {
+            "env_steps": self.env_steps, "updates": self.updates, "episode_return": self.episode_return,
+            "rng": self.rng.bit_generator.state, "sampler": self.sampler.get_state(), "obs": torch.tensor(self.obs),
+            "episode_start": self.env.start, "episode_actions": torch.tensor(self.env.actions).long(),
+            "curve": self.curve, "evals": self.evals, "env_id": self.hparams.env_id,
+        }  # fmt: skip
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint["dqn"]
@@ -242,137 +404,31 @@ class DQN(pl.LightningModule):
                 f"replaying the current episode of {self.hparams.env_id} did not reach the checkpoint's observation: "
                 "the environment is not deterministic given its generator, so this run cannot resume exactly"
             )
-        self.episode_start, self.episode_actions = start, actions
+        self.env.start, self.env.actions = start, actions
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.Adam(self.q.parameters(), lr=self.hparams.lr, fused=True)  # in place, no temporaries
 
-    def train_dataloader(self) -> DataLoader:
-        rounds = math.ceil(self.hparams.total_env_steps / self.hparams.train_freq)
-        return DataLoader(range(rounds), batch_size=None)  # a clock: one item per collect-then-train round
+RESET = -1  # in EpisodeRecord.actions (a checkpoint's episode_actions): the env was reset there, the game going on
 
-    def training_step(self, batch: Any, batch_idx: int) -> None:
-        h = self.hparams
-        evaluations_due = self.env_steps // h.eval_every
-        for _ in range(h.train_freq):
-            self.collect_one_step()
-        if len(self.buffer) >= h.learning_starts:
-            self.learn()
-        # Evaluated after this round's updates: the checkpoint written at this step's end holds the very policy
-        # that earned the score (mid-round, the saved weights would be a round of updates past it).
-        if self.env_steps // h.eval_every > evaluations_due:
-            self.evaluate()
 
-    def collect_one_step(self) -> None:
-        action = self.act(self.obs, self.epsilon())
-        next_obs, reward, terminated, truncated, _ = self.env.step(action)
-        self.episode_actions.append(action)
-        # Copy decision: the buffer copies the arrays into its own storage; we keep no reference to them.
-        self.buffer.add(self.obs, action, reward, next_obs, terminated, truncated)
-        self.env_steps += 1
-        self.episode_return += float(reward)
-        self.obs = next_obs
-        if terminated or truncated:
-            self.curve.append((self.env_steps, self.episode_return))
-            self.log("train/episode_return", self.episode_return)
-            self.episode_return = 0.0
-            if game_goes_on(self.env):  # a life lost: the game, and what a resume replays of it, go on
-                self.episode_actions.append(RESET)
-            else:
-                self.episode_start = self.env.np_random.bit_generator.state
-                self.episode_actions.clear()
-            self.obs, _ = self.env.reset()
+class EpisodeRecord(gym.Wrapper):
+    """What a resume needs to replay the episode in progress: ``start``, the environment generator's state before its
+    game's reset (``None``: the run's first, seeded reset), and ``actions``, every action since, with ``RESET`` where
+    a reset went on with the game (a life lost: ``recipes/atari.py``'s ``EpisodicLife``)."""
 
-    def epsilon(self) -> float:
-        h = self.hparams
-        progress = min(1.0, self.env_steps / max(1.0, h.exploration_fraction * h.total_env_steps))
-        return 1.0 + progress * (h.exploration_final_eps - 1.0)
+    def __init__(self, env: gym.Env) -> None:
+        super().__init__(env)
+        self.start: dict[str, Any] | None = None
+        self.actions: list[int] = []
 
-    def act(self, obs: np.ndarray, epsilon: float) -> int:
-        """Epsilon-greedy, for training: the coin and the random action come from the training generator ``rng``."""
-        if self.rng.random() < epsilon:
-            return int(self.rng.integers(self.env.action_space.n))
-        return self.greedy_action(obs)
+    def step(self, action: int) -> tuple[Any, SupportsFloat, bool, bool, dict[str, Any]]:
+        self.actions.append(action)
+        return self.env.step(action)
 
-    def greedy_action(self, obs: np.ndarray) -> int:
-        """The action of the largest Q-value; draws nothing."""
-        with torch.no_grad():
-            values = self.q(torch.from_numpy(obs).to(self.device).unsqueeze(0))
-        return int(values.argmax(dim=1).item())  # the environment runs on the CPU: one sync per step
-
-    def learn(self) -> None:
-        h = self.hparams
-        optimizer = self.optimizers()
-        for _ in range(h.gradient_steps):
-            loss = self.td_loss(self.buffer.sample(h.batch_size, generator=self.sampler))
-            optimizer.zero_grad(set_to_none=True)
-            self.manual_backward(loss)
-            if h.max_grad_norm is not None:
-                nn.utils.clip_grad_norm_(self.q.parameters(), h.max_grad_norm)
-            optimizer.step()
-            self.updates += 1
-            if self.updates % h.target_update_every == 0:
-                if h.tau < 1.0:
-                    soft_update(self.target, self.q, h.tau)
-                else:
-                    hard_update(self.target, self.q)
-        self.log("train/td_loss", loss.detach(), prog_bar=True)
-        self.log("train/epsilon", self.epsilon())
-
-    def td_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-        with torch.no_grad():  # Copy decision: no graph through the target, so nothing of it is kept
-            next_value = self.target(batch["next_obs"]).max(dim=1).values
-            # truncation is not termination: a truncated transition still bootstraps, by gamma**m for its m rewards
-            target = batch["reward"] + batch["discounts"] * (~batch["terminated"]).float() * next_value
-        value = self.q(batch["obs"]).gather(1, batch["action"].unsqueeze(1)).squeeze(1)
-        return F.smooth_l1_loss(value, target)
-
-    def evaluate(self) -> None:
-        mean = self.greedy_return()
-        self.evals.append((self.env_steps, mean))
-        best = max(value for _, value in self.evals)
-        self.log("eval/return", mean, prog_bar=True)
-        self.log("eval/best_return", best)
-        self.log("env_steps", float(self.env_steps))
-        threshold = self.reward_threshold
-        solved = [step for step, value in self.evals if threshold is not None and value >= threshold]
-        if solved:
-            self.log("eval/solved_at_step", float(solved[0]))
-
-    def greedy_return(self) -> float:
-        """Mean return of ``eval_episodes`` greedy episodes, on the evaluation environment's fixed seeds.
-
-        Evaluation never moves training: the episodes play on an environment of their own, reset from seeds of their
-        own; the actions draw nothing from the training generator ``rng`` (an ``act(obs, epsilon=0.0)`` would still
-        toss its coin there, and every later exploration would change with how often the run evaluates); and the
-        Q-network plays in eval mode, so a network with BatchNorm or dropout neither updates its statistics nor draws
-        masks here. It goes back to the mode it was in."""
-        returns, training = [], self.q.training
-        self.q.eval()
-        try:
-            for episode in range(self.hparams.eval_episodes):
-                obs, _ = self.eval_env.reset(seed=self.hparams.seed + 10_000 + episode)
-                total, done = 0.0, False
-                while not done:
-                    obs, reward, terminated, truncated, _ = self.eval_env.step(self.greedy_action(obs))
-                    total += float(reward)
-                    done = terminated or truncated
-                returns.append(total)
-        finally:
-            self.q.train(training)
-        return float(np.mean(returns))
-
-    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        checkpoint["replay_buffer"] = self.buffer.state_dict()
-        checkpoint["dqn"] = {
-            "env_steps": self.env_steps, "updates": self.updates, "episode_return": self.episode_return,
-            "rng": self.rng.bit_generator.state, "sampler": self.sampler.get_state(), "obs": torch.tensor(self.obs),
-            "episode_start": self.episode_start, "episode_actions": torch.tensor(self.episode_actions).long(),
-            "curve": self.curve, "evals": self.evals, "env_id": self.hparams.env_id,
-        }  # fmt: skip
-
-    def on_train_end(self) -> None:
-        if self.trainer.is_global_zero:
-            path = Path(self.trainer.default_root_dir) / "return_curve.png"
-            plot_returns(self.curve, self.evals, path, self.hparams.env_id, self.reward_threshold)
+    def reset(self, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+        if kwargs.get("seed") is not None:
+            self.start, self.actions = None, []
+        elif game_goes_on(self.env):
+            self.actions.append(RESET)
+        else:
+            self.start, self.actions = self.env.np_random.bit_generator.state, []
+        return self.env.reset(**kwargs)

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,8 +20,7 @@ from copy_correct import CheckpointMismatch, FrameReplayBuffer, make_target
 from copy_correct.probes import MemoryProbe, storage_key
 from recipes.atari import NatureQNetwork
 from recipes.build import build
-from recipes.dqn import DQN, QNetwork
-from recipes.dqn_plot import plot_returns
+from recipes.dqn import DQN, QNetwork, plot_returns
 from tests.conftest import QUIET, compose_config, run_train, warning_lines
 
 SHORT = [
@@ -49,13 +50,48 @@ def test_target_stays_frozen_current_and_in_its_own_storage_through_training(tmp
         assert torch.equal(model.target.state_dict()[name], value), name
 
 
-@pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)` but the `self.trainer`")
-def test_no_gradient_reaches_the_target_and_the_naive_copy_is_the_control() -> None:
-    model = DQN(learning_starts=10, seed=0)
-    for _ in range(64):
-        model.collect_one_step()
-    batch = model.buffer.sample(32, generator=torch.Generator().manual_seed(0))
-    model.td_loss(batch).backward()
+# One round of 512 steps, then a single update of 256 transitions (no target update before it), then one episode of
+# greedy evaluation: the TD target the recipe's loop computes, caught on its way into the loss.
+ONE_UPDATE = [
+    "model.total_env_steps=512", "model.train_freq=512", "model.learning_starts=512", "model.gradient_steps=1",
+    "model.batch_size=256", "model.eval_every=512", "model.eval_episodes=1",
+]  # fmt: skip
+
+
+def fit_one_update(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *overrides: str, target_requires_grad: bool = False
+) -> tuple[DQN, dict, dict]:
+    """A run of ``ONE_UPDATE``: the model, the batch its update sampled, and what its loss was given (``value``,
+    ``td_target``), as ``training_step`` passed them. ``target_requires_grad``: the target's weights made to require
+    gradients first, as a plain copy's would."""
+    trainer, model, _ = build(compose_config("+recipe=dqn", *QUIET, *ONE_UPDATE, *overrides, output_dir=tmp_path))
+    model.target.requires_grad_(target_requires_grad)
+    sampled, given = {}, {}
+    sample, loss = model.buffer.sample, F.smooth_l1_loss
+
+    def sample_spy(*args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:
+        sampled.update(sample(*args, **kwargs))
+        return sampled
+
+    def loss_spy(value: torch.Tensor, td_target: torch.Tensor) -> torch.Tensor:
+        given.update(value=value, td_target=td_target)
+        return loss(value, td_target)
+
+    monkeypatch.setattr(model.buffer, "sample", sample_spy)
+    monkeypatch.setattr(F, "smooth_l1_loss", loss_spy)
+    trainer.fit(model)
+    assert model.updates == 1 and given  # one update, before the first target update (every 128)
+    return model, sampled, given
+
+
+def test_no_gradient_reaches_the_target_and_the_naive_copy_is_the_control(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The TD target is computed under ``no_grad``: even a target whose weights require gradients (a plain copy's)
+    gets none and leaves no graph; ``make_target``'s weights require none in the first place."""
+    model, batch, given = fit_one_update(tmp_path, monkeypatch, target_requires_grad=True)
+    assert given["value"].grad_fn is not None  # the online network's values carry the graph the update needs
+    assert given["td_target"].grad_fn is None and not given["td_target"].requires_grad  # the target's carry none
     assert all(p.grad is None for p in model.target.parameters())
     assert all(p.grad is not None for p in model.q.parameters())
 
@@ -66,41 +102,44 @@ def test_no_gradient_reaches_the_target_and_the_naive_copy_is_the_control() -> N
     assert all(p.grad is not None for p in naive.parameters())  # the target would be trained too
 
 
-@pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)` but the `self.trainer`")
-def test_n_step_returns_bootstrap_by_the_batchs_discounts_not_by_gamma(tmp_path: Path) -> None:
-    model = build(compose_config("+recipe=dqn", "model.n_steps=3", output_dir=tmp_path))[1]
+def test_n_step_returns_bootstrap_by_the_batchs_discounts_not_by_gamma(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, batch, given = fit_one_update(tmp_path, monkeypatch, "model.n_steps=3")
     assert (model.buffer.n_steps, model.buffer.gamma) == (3, 0.99)
-    for _ in range(300):
-        model.collect_one_step()
-    batch = model.buffer.sample(256, generator=torch.Generator().manual_seed(0))
     discounts = sorted(set(batch["discounts"].tolist()))  # 0.99**3, and less where an episode's end cut the window
     assert np.allclose(discounts, [0.99**3, 0.99**2, 0.99], rtol=1e-6)
-    value = model.q(batch["obs"]).gather(1, batch["action"].unsqueeze(1)).squeeze(1)
-    next_value = model.target(batch["next_obs"]).max(dim=1).values
+    next_value = model.target(batch["next_obs"]).max(dim=1).values  # the target the update used: no update since
     alive = (~batch["terminated"]).float()
-    expected = F.smooth_l1_loss(value, batch["reward"] + batch["discounts"] * alive * next_value)
-    assert torch.equal(model.td_loss(batch), expected)
-    control = F.smooth_l1_loss(value, batch["reward"] + 0.99 * alive * next_value)  # one step's bootstrap
-    assert not torch.isclose(model.td_loss(batch), control)
+    assert torch.equal(given["td_target"], batch["reward"] + batch["discounts"] * alive * next_value)
+    control = batch["reward"] + 0.99 * alive * next_value  # one step's bootstrap
+    assert not torch.allclose(given["td_target"], control)
 
 
-@pytest.mark.filterwarnings("ignore:You are trying to `self.log\\(\\)` but the `self.trainer`")
+def collect(model: DQN, rounds: int) -> None:
+    """``rounds`` of ``training_step`` before learning starts, with no trainer: ``train_freq`` environment steps each,
+    played and stored as a run plays and stores them (what it logs goes nowhere)."""
+    assert len(model.buffer) + rounds * model.hparams.train_freq < model.hparams.learning_starts
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", r"You are trying to `self.log\(\)` but the `self.trainer`")
+        for round_number in range(rounds):
+            model.training_step(round_number, round_number)
+
+
 def test_checkpoint_resumes_the_episode_in_progress_and_refuses_one_it_cannot_replay(tmp_path: Path) -> None:
-    model = DQN(seed=0)
-    for _ in range(100):  # several random-policy episodes and one in progress
-        model.collect_one_step()
-    assert model.episode_start is not None and model.episode_actions
+    model = DQN(seed=0, train_freq=100)
+    collect(model, 1)  # several random-policy episodes and one in progress
+    assert model.env.start is not None and model.env.actions
     checkpoint = {"state_dict": model.state_dict()}  # as Lightning writes it, less what DQN does not read
     model.on_save_checkpoint(checkpoint)
     torch.save(checkpoint, tmp_path / "dqn.ckpt")
     checkpoint = torch.load(tmp_path / "dqn.ckpt", weights_only=True)
-    resumed, fresh = DQN(seed=0), DQN(seed=0)  # fresh, the control: without the DQN state
+    resumed, fresh = DQN(seed=0, train_freq=100), DQN(seed=0, train_freq=100)  # fresh, the control: no DQN state
     for dqn in (resumed, fresh):
         dqn.load_state_dict(checkpoint["state_dict"])
     resumed.on_load_checkpoint(checkpoint)
-    for _ in range(300):
-        for dqn in (model, resumed, fresh):
-            dqn.collect_one_step()
+    for dqn in (model, resumed, fresh):
+        collect(dqn, 3)
     assert np.array_equal(resumed.obs, model.obs) and not np.array_equal(fresh.obs, model.obs)
     assert resumed.curve == model.curve and resumed.env_steps == model.env_steps == 400
     assert torch.equal(resumed.buffer.next_obs[:400], model.buffer.next_obs[:400])
@@ -289,12 +328,12 @@ def test_the_atari_configuration_plays_breakout_into_a_frame_replay_with_the_nat
     assert isinstance(model.q, NatureQNetwork) and isinstance(model.buffer, FrameReplayBuffer)
     assert (model.hparams.lr, model.hparams.batch_size, model.hparams.train_freq) == (1e-4, 32, 4)
     assert model.hparams.max_grad_norm is None and model.hparams.target_update_every * 4 == 1000
-    for _ in range(2000):
-        model.collect_one_step()
+    collect(model, 500)  # 2,000 steps
     assert model.buffer.nbytes / model.buffer.capacity < 7_100  # a frame and 23 bytes a transition
     batch = model.buffer.sample(32)
     assert batch["obs"].shape == (32, 4, 84, 84) and batch["obs"].dtype == torch.uint8
-    assert model.td_loss(batch).grad_fn is not None
+    values = model.q(batch["obs"])  # the Nature network takes the uint8 stacks as they are
+    assert values.shape == (32, model.env.action_space.n) and values.grad_fn is not None
 
 
 @NEEDS_ALE
@@ -305,9 +344,8 @@ def test_model_compress_stores_atari_frames_compressed_and_refuses_a_whole_obser
         build(compose_config("+recipe=dqn", *overrides, *more, output_dir=tmp_path / str(i)))[1]
         for i, more in enumerate(((), ("model.compress=zstd",)))
     )
-    for _ in range(300):
-        plain.collect_one_step()
-        packed.collect_one_step()
+    for model in (plain, packed):
+        collect(model, 75)  # 300 steps
     batches = [m.buffer.sample(32, generator=torch.Generator().manual_seed(0)) for m in (plain, packed)]
     assert all(torch.equal(batches[0][name], batches[1][name]) for name in batches[0])
     assert packed.buffer.nbytes < plain.buffer.nbytes / 10

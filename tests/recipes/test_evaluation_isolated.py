@@ -137,8 +137,8 @@ def test_pinned_validating_every_epoch_trains_as_validating_once(tmp_path: Path)
 
 def test_dqn_evaluating_every_round_trains_as_evaluating_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Greedy episodes play on an environment and seeds of their own, draw nothing from the exploration generator and
-    run the Q-network in eval mode. The control: the episodes as they were, ``act(obs, epsilon=0.0)``, whose coin is
-    still tossed on the exploration generator once per step."""
+    run the Q-network in eval mode. The control: the episodes as they were, each action the training loop's
+    epsilon-greedy choice at epsilon 0, whose coin is still tossed on the exploration generator once per step."""
     once = training_state("dqn", tmp_path / "once", *DQN_ONCE)
     assert_same_training("dqn", training_state("dqn", tmp_path / "often", *DQN_OFTEN), once)
 
@@ -148,7 +148,9 @@ def test_dqn_evaluating_every_round_trains_as_evaluating_once(tmp_path: Path, mo
             obs, _ = self.eval_env.reset(seed=self.hparams.seed + 10_000 + episode)
             total, done = 0.0, False
             while not done:
-                obs, reward, terminated, truncated, _ = self.eval_env.step(self.act(obs, epsilon=0.0))
+                coin = self.rng.random() < 0.0  # tossed, never heads: the draw alone moves rng
+                action = int(self.rng.integers(self.env.action_space.n)) if coin else self.greedy_action(obs)
+                obs, reward, terminated, truncated, _ = self.eval_env.step(action)
                 total += float(reward)
                 done = terminated or truncated
             returns.append(total)
