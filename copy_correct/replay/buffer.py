@@ -36,30 +36,21 @@ import numpy as np
 import torch
 
 from copy_correct.core.checks import device as checked_device
-from copy_correct.core.checks import integral
 from copy_correct.replay import host_batch, n_step
 from copy_correct.replay.autoreset import parse_mode
-from copy_correct.replay.fields import (
-    DTypeLike,
-    NotCopied,
-    Space,
-    check_num_envs,
-    check_sample,
-    check_settings,
-    flag_rows,
-    layout,
-    taken,
-)
+from copy_correct.replay.base import ReplayBase
+from copy_correct.replay.fields import DTypeLike, Space, check_settings, layout
+from copy_correct.replay.host_batch import held, taken
 from copy_correct.replay.writes import EnvRows, add_for, storage
 
 __all__ = ["ReplayBuffer"]
 
 FIELDS = ("obs", "action", "reward", "next_obs", "terminated", "truncated")
 _OF_THE_LAST = frozenset({"next_obs", "terminated", "truncated"})  # an n-step window's last transition's fields
-_TORCH_GATHER_BYTES = 512 * 1024  # a field's batch from this size on is gathered by torch (see sample)
+_TORCH_GATHER_BYTES = 512 * 1024  # a field's batch from this size on is gathered by torch (see _fields_at)
 
 
-class ReplayBuffer(NotCopied):
+class ReplayBuffer(ReplayBase):
     """Ring buffer of (obs, action, reward, next_obs, terminated, truncated), ``capacity`` rows of each.
 
     Args:
@@ -94,6 +85,9 @@ class ReplayBuffer(NotCopied):
         nbytes: the block's size in bytes: every field, each padded to a multiple of 64 bytes.
     """
 
+    _EMPTY = "an empty ReplayBuffer"
+    _every_row_drawable = True  # rows 0 .. size - 1 hold transitions
+
     def __init__(
         self,
         capacity: int,
@@ -108,13 +102,11 @@ class ReplayBuffer(NotCopied):
         n_steps: int = 1,
         gamma: float | None = None,
     ) -> None:
-        check_num_envs(num_envs)
-        self.n_steps, self.gamma = n_step.settings(n_steps, gamma)
-        if integral("capacity", capacity, "an integer >= 1") < max(1, num_envs or 1):
+        super().__init__(capacity, num_envs, n_steps, gamma)
+        if capacity < max(1, num_envs or 1):
             raise ValueError(f"capacity must be >= 1 and >= num_envs, got {capacity}")
         self.autoreset_mode = parse_mode(autoreset_mode, num_envs)
         self.capacity = capacity
-        self.num_envs = num_envs
         self.device = checked_device("device", device)
         self.obs_shape, obs_np = layout("obs", obs, obs_dtype, np.float32)
         self.action_shape, action_np = layout("action", action, action_dtype, np.int64)
@@ -139,12 +131,9 @@ class ReplayBuffer(NotCopied):
         # final_obs: one observation (whatever num_envs), written into next_obs's rows
         self._final = replace(self._fields[3], name="final_obs", add_shape=self.obs_shape)
         self._next_step = self.autoreset_mode == "next_step"
-        self._ended = np.zeros(num_envs or 1, dtype=np.bool_)  # next_step: the env's next row is its reset step
-        self._flag_rows = flag_rows(num_envs or 1)  # truncated=False (the default) or True for every env
         self._skip = False  # some env's next row is its reset step
         self._rows = EnvRows(self._fields, num_envs) if on_cpu and num_envs and capacity % num_envs == 0 else None
         self._version_of = (self._base,)  # the one counter of all six tensors, raised once per add
-        self._add = add_for(self)  # every add's path, chosen once: a function (a bound method would be a cycle)
         # n-step windows follow an env's rows: a fixed stride apart, unless next_step's skipped rows shift them
         self._next_row = self._last_row = None
         self._strides = np.arange(n_steps, dtype=np.int64) * (num_envs or 1)
@@ -154,7 +143,7 @@ class ReplayBuffer(NotCopied):
             self._last_row_envs = np.arange(num_envs)
             self._linked_all = False
             self.nbytes += self._next_row.nbytes + self._last_row.nbytes
-            self._add = n_step.linked(self._add)
+        self._add = add_for(self)  # every add's path (writes), chosen once, linked for n_steps where it must be
         self.pos = 0
         self.size = 0
 
@@ -165,79 +154,35 @@ class ReplayBuffer(NotCopied):
     def full(self) -> bool:
         return self.size == self.capacity
 
-    def add(
-        self,
-        obs: Any,
-        action: Any,
-        reward: Any,
-        next_obs: Any,
-        terminated: Any,
-        truncated: Any = False,
-        *,
-        final_obs: Any = None,
-    ) -> None:
-        """Copy one transition (``num_envs=N``: N transitions, each field with a leading dimension N) into the next
-        rows, overwriting the oldest once full. Fields: numpy arrays, tensors (detached; any device), or Python and
-        numpy numbers. Checked before anything is written: a wrong shape or dtype is a ``ValueError`` naming the
-        field, a float never goes into an integer field nor a bool into a floating one, and the buffer is unchanged.
+    def _span(self) -> int:
+        return self.size
 
-        Refused too: a reward that is not finite (NaN, inf) and a finite value beyond a floating field's range
-        (float64 ``1e300`` into float32, stored as ``inf`` otherwise). With ``num_envs``, a single ``truncated`` flag
-        (the default ``False``) is every env's.
-
-        In ``"next_step"`` mode the rows of the envs whose last row ended an episode are their reset steps and are
-        not written; the rows written follow one another. ``final_obs`` (``infos.get("final_obs")``, ``"same_step"``
-        mode): the real last observations, one per env (``None`` for an env that did not end), written in place of
-        ``next_obs`` for the rows whose episode ended; ``None``: ``next_obs`` is stored as it is.
-        """
-        self._add(self, obs, action, reward, next_obs, terminated, truncated, final_obs)
-
-    def sample(
-        self, batch_size: int, generator: torch.Generator | None = None, *, device: str | torch.device | None = None
-    ) -> dict[str, torch.Tensor]:
-        """``batch_size`` transitions drawn uniformly with replacement, as new tensors on ``device`` (default: the
-        buffer's), in the stored dtypes. The indices come from ``torch.randint`` on the CPU with ``generator``. With
-        ``n_steps > 1`` each is its window (``reward``, ``next_obs``, ``terminated``, ``truncated``: the ``n_steps``
-        argument); with ``gamma``, ``discounts`` (float32) is added.
-
-        On the CPU the batch is gathered the faster way for each field's size (measured by ``benchmarks/replay.py``):
-        by numpy's ``take`` under 512 KiB (less overhead per call: vectors, rewards, flags); from there on, when torch
-        has more than one thread, by torch's ``index_select``, which splits the copy over them, into an array from
-        ``np.empty`` (numpy asks for huge pages from 4 MiB: fewer page faults). For ``device="cpu"`` the batch is that
-        numpy memory, which ``MemoryProbe`` does not count (``tracemalloc`` does). For a CUDA ``device`` it is gathered
-        the same way into pinned host memory and copied with ``non_blocking=True``: one copy per field that the host
-        does not wait for (``copy_correct.replay.host_batch``). A buffer on CUDA gathers there, and copies to another
-        ``device`` (to the CPU: a copy the host waits for)."""
-        if self.size == 0:
-            raise ValueError("cannot sample from an empty ReplayBuffer")
-        check_sample(batch_size, generator)
-        target = self.device if device is None else checked_device("device", device)
-        index = torch.randint(self.size, (batch_size,), generator=generator, device="cpu")
-        if not self._on_cpu:  # n_steps is 1 (checked at construction)
-            index = index.to(self.device)
-            batch = {name: getattr(self, name).index_select(0, index) for name in FIELDS}
-            if self.gamma is not None:
-                batch["discounts"] = torch.full((batch_size,), self.gamma, dtype=torch.float32, device=self.device)
-            return batch if target == self.device else host_batch.moved(batch, target)
-        rows, threads, batch = index.numpy(), torch.get_num_threads(), {}
-        pinned = target.type == "cuda"
-        first = last = (index, rows)
-        window = None if self.n_steps == 1 else self._window(rows)
-        if window is not None:
-            last = (torch.from_numpy(window.last), window.last)
+    def _fields_at(self, rows: np.ndarray, window: n_step.Window | None, pinned: bool) -> dict[str, torch.Tensor]:
+        """Each field's ``rows`` (``next_obs``, ``terminated`` and ``truncated``: the window's last rows, and its
+        returns as ``reward``) gathered into new memory, the faster way for the field's size (measured by
+        ``benchmarks/replay.py``): by numpy's ``take`` under 512 KiB (less overhead per call: vectors, rewards, flags);
+        from there on, when torch has more than one thread, by torch's ``index_select``, which splits the copy over
+        them, into an array from ``np.empty`` (numpy asks for huge pages from 4 MiB: fewer page faults). ``pinned``:
+        into page-locked memory. A buffer on CUDA gathers there (``n_steps`` is 1: checked at construction)."""
+        if not self._on_cpu:
+            index = torch.from_numpy(rows).to(self.device)
+            return {field.name: field.tensor.index_select(0, index) for field in self._fields}
+        batch_size, threads, batch = len(rows), torch.get_num_threads(), {}
+        last = rows if window is None else window.last
+        indexes: dict[bool, torch.Tensor] = {}  # the rows (or the windows' last rows) as a tensor, made once
         for field in self._fields:
-            at, at_rows = last if field.name in _OF_THE_LAST else first
+            at = last if field.name in _OF_THE_LAST else rows
             if threads > 1 and field.row_bytes * batch_size >= _TORCH_GATHER_BYTES and field.torch_gather:
+                index = indexes.get(at is rows)
+                if index is None:
+                    index = indexes[at is rows] = torch.from_numpy(at)
                 _, out = host_batch.empty((batch_size, *field.shape), field.writer.dtype, pinned)
-                batch[field.name] = torch.index_select(field.tensor, 0, at, out=out)
+                batch[field.name] = torch.index_select(field.tensor, 0, index, out=out)
             else:
-                batch[field.name] = taken(field.writer, at_rows, pinned)
+                batch[field.name] = taken(field.writer, at, pinned)
         if window is not None:
-            batch["reward"] = n_step.held(window.returns, pinned)
-        if self.gamma is not None:
-            discounts = np.full(batch_size, self.gamma, np.float32) if window is None else window.discounts
-            batch["discounts"] = n_step.held(discounts, pinned)
-        return batch if target.type == "cpu" else host_batch.moved(batch, target)
+            batch["reward"] = held(window.returns, pinned)
+        return batch
 
     def _window(self, rows: np.ndarray) -> n_step.Window:
         """The n-step windows of the transitions at ``rows`` (``copy_correct.replay.n_step``). An env's next row is
@@ -264,7 +209,7 @@ class ReplayBuffer(NotCopied):
 
         Each field is a tensor over a storage of its own, made with DLPack over the same memory: ``torch.save``
         refuses tensors that view one storage in several dtypes. So only the filled rows are saved. With ``n_steps``
-        and ``"next_step"``'s several envs, the rows' links too (``next_row``, ``last_row``: ``n_step.linked``)."""
+        and ``"next_step"``'s several envs, the rows' links too (``next_row``, ``last_row``: ``writes.linked``)."""
         fields = {name: torch.from_dlpack(getattr(self, name)[: self.size]) for name in FIELDS}
         if self._next_row is not None:
             fields |= {
@@ -317,7 +262,7 @@ class ReplayBuffer(NotCopied):
         self.size, self.pos = size, pos
 
     def _checked_links(self, state: Mapping[str, Any], size: int) -> tuple[np.ndarray, np.ndarray] | None:
-        """The saved links of the rows (``n_step.linked``) as numpy arrays, checked, if this buffer keeps them."""
+        """The saved links of the rows (``writes.linked``) as numpy arrays, checked, if this buffer keeps them."""
         if self._next_row is None:
             return None
         if "next_row" not in state:

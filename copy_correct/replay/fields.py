@@ -1,34 +1,35 @@
-"""What ``ReplayBuffer`` and ``FrameReplayBuffer`` share: a field's per-transition shape and stored dtype from a space
-or a shape, the source dtypes a field stores as they are, the one-line refusals of a value's shape and dtype, a single
-``truncated`` flag as every env's, ``sample``'s arguments, the settings a saved state must match, and a field's batch
-gathered into new host memory.
+"""What ``ReplayBuffer`` and ``FrameReplayBuffer`` share of their fields: a field's per-transition shape and stored
+dtype from a space or a shape, what a value of it must be (``Spec``), the one check of a value (``checked``), the
+source dtypes a field stores as they are, the one-line refusals of a value's shape and dtype, a single ``truncated``
+flag as every env's, and the settings a saved state must match.
 
 A refusal names the field and both shapes or dtypes, and is raised before the buffer writes anything. Refused: what
 storing would change (a float into an integer field, a bool into a floating one, anything but a bool into a bool
 one, an integer array whose dtype the field cannot hold, a number out of range); the values a dtype lets through are
-``values``'s to look at (non-finite rewards, finite values beyond a floating field). ``NotCopied``: a buffer's
-``pickle``, ``copy.copy`` and ``copy.deepcopy`` refused in one line naming ``state_dict()`` (each buffer says why).
+``values``'s to look at (non-finite rewards, finite values beyond a floating field). A value that is neither a numpy
+array or number, a tensor nor a Python number is a ``TypeError``.
 
-Copy contract: nothing here keeps a buffer's storage or a caller's value. A refusal reads a value (a tensor on another
-device: on the host, a copy and a sync). ``taken`` gathers rows into new host memory (pinned for a CUDA batch:
-``host_batch``), which shares nothing with the field it reads; nothing here is seen by autograd.
+Copy contract: nothing here keeps a buffer's storage or a caller's value. ``checked`` reads a tensor through
+``detach()`` (the buffer never holds, nor writes through, a graph) and makes new memory only for a host copy of a
+tensor on another device, a float32 copy of a bfloat16 one (numpy has none) and, for a buffer off the host, a 0-d
+tensor of a number beyond int64 for a uint64 field. Nothing here is seen by autograd.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
-from copy_correct.core.checks import integer, integral, shown
-from copy_correct.replay import host_batch
+from copy_correct.core.checks import integral
 from copy_correct.replay.values import may_overflow, value_refusal
 
 __all__ = [
-    "TORCH_OF", "DTypeLike", "NotCopied", "Space", "check_num_envs", "check_sample", "check_settings", "flag_rows",
-    "layout", "refusal", "refuse_dtype", "shape_error", "taken", "unseen",
+    "TORCH_OF", "DTypeLike", "Space", "Spec", "check_num_envs", "check_settings", "checked", "field_spec", "flag_rows",
+    "layout", "refusal", "refuse_dtype", "shape_error", "unseen",
 ]  # fmt: skip
 
 # The dtypes a buffer stores, numpy's and torch's names for each.
@@ -58,6 +59,7 @@ _SOURCE_DTYPES = [
 ]
 # (source kind, field kind) stored without a check of values or widths: "b" bool, "i" integer, "f" floating
 _STORED_AS_IS = frozenset({("b", "b"), ("b", "i"), ("i", "f"), ("f", "f")})
+_NUMPY_VALUES, _NUMBERS = (np.ndarray, np.generic), (bool, int, float)  # what checked takes
 
 
 class Space(Protocol):
@@ -73,16 +75,26 @@ class Space(Protocol):
 DTypeLike = torch.dtype | np.dtype | type | str
 
 
-class NotCopied:
-    """Mixed into a buffer: ``pickle``, ``copy.copy`` and ``copy.deepcopy`` raise one ``TypeError`` line naming the
-    class and the way that copies it, ``state_dict()`` loaded into a new one (``load_state_dict`` copies)."""
+@dataclass(frozen=True)
+class Spec:
+    """What a value of field ``name`` must be: of ``shape`` per transition and ``add_shape`` per ``add``, stored as
+    ``dtype``; the source dtypes it takes without a look at the values (``accepted``: ``unseen``'s); ``finite``: its
+    values must be finite (rewards, whose values are always looked at)."""
 
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        name = type(self).__name__
-        raise TypeError(
-            f"a {name} cannot be pickled or copied (pickle, copy.copy, copy.deepcopy): save its state_dict() and "
-            f"load_state_dict() it into a new {name}"
-        )
+    name: str
+    shape: tuple[int, ...]
+    add_shape: tuple[int, ...]
+    dtype: torch.dtype
+    accepted: frozenset[np.dtype | torch.dtype | type]
+    finite: bool
+
+
+def field_spec(name: str, shape: tuple[int, ...], stored: torch.dtype, num_envs: int | None) -> Spec:
+    """Field ``name``'s ``Spec``: ``num_envs`` values of ``shape`` per ``add`` (one without ``num_envs``); rewards take
+    no dtype unseen, their values are always looked at (finite, within float32)."""
+    finite = name == "reward"
+    accepted = frozenset() if finite else unseen(name, stored)
+    return Spec(name, shape, shape if num_envs is None else (num_envs, *shape), stored, accepted, finite)
 
 
 def check_num_envs(num_envs: Any) -> None:
@@ -195,15 +207,6 @@ def flag_rows(num_envs: int) -> tuple[np.ndarray, np.ndarray]:
     return rows
 
 
-def check_sample(batch_size: Any, generator: Any) -> None:
-    """``sample``'s arguments: ``batch_size`` an integer >= 1 (``"64"`` and ``True`` are ``TypeError``s), ``generator``
-    a ``torch.Generator`` or ``None``; a plain call costs two type checks."""
-    if type(batch_size) is not int or batch_size < 1:
-        integer("batch_size", batch_size, 1)
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator or None, got {shown(generator)}")
-
-
 def check_settings(state: Mapping[str, Any], buffer: Any, keys: Sequence[str]) -> None:
     """A saved state's settings (``autoreset_mode``, ``padding``) must be ``buffer``'s: one line naming the first
     that is not."""
@@ -212,10 +215,33 @@ def check_settings(state: Mapping[str, Any], buffer: Any, keys: Sequence[str]) -
             raise ValueError(f"saved buffer has {key}={state[key]!r}, this one {getattr(buffer, key)!r}")
 
 
-def taken(field: np.ndarray, rows: np.ndarray, pinned: bool) -> torch.Tensor:
-    """``field``'s ``rows`` gathered into new host memory (``pinned``: page-locked, for a copy to a CUDA device)."""
-    if not pinned:
-        return torch.from_numpy(field.take(rows, axis=0))
-    array, out = host_batch.empty((len(rows), *field.shape[1:]), field.dtype, pinned)
-    field.take(rows, axis=0, out=array, mode="clip")  # rows are in range: clip skips numpy's buffering
-    return out
+def checked(field: Spec, value: Any, num_envs: int | None, *, one: bool = False, host: bool = True) -> Any:
+    """``value`` ready to be written into ``field`` once its shape (``add_shape``; ``one``: one env's, ``shape``) and
+    dtype are checked (module docstring), before anything is written. ``host``: a tensor detached and on the host as
+    numpy, anything else as it is; else (a buffer off the host, which torch writes) a tensor detached, a numpy array as
+    a tensor, a numpy number as a Python one, and a uint64 field's Python int as a 0-d tensor (torch < 2.14 writes no
+    int beyond int64's range)."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach()  # Copy decision: the buffer never holds, nor writes through, a graph
+        dtype, shape = value.dtype, tuple(value.shape)
+    elif isinstance(value, _NUMPY_VALUES):
+        dtype, shape = value.dtype, value.shape
+    elif type(value) in _NUMBERS:
+        dtype, shape = type(value), ()
+    else:
+        raise TypeError(f"{field.name} must be a numpy array, a tensor or a number, got {type(value).__name__}")
+    expected = field.shape if one else field.add_shape
+    if shape != expected:
+        raise shape_error(field.name, shape, field.shape, expected, num_envs)
+    if dtype not in field.accepted:  # a number's value may still fit; anything else is refused
+        refuse_dtype(field.name, dtype, value, field.dtype, field.finite, value)
+    if host:
+        if isinstance(value, torch.Tensor):
+            value = value.cpu()  # a host copy when the tensor is on another device
+            return (value.float() if value.dtype == torch.bfloat16 else value).numpy()  # numpy has no bfloat16
+        return value
+    if isinstance(value, (np.ndarray, np.generic)):  # torch writes tensors and Python numbers
+        value = torch.from_numpy(value) if isinstance(value, np.ndarray) else value.item()
+    if type(value) is int and field.dtype is torch.uint64:
+        return torch.from_numpy(np.array(value, dtype=np.uint64))
+    return value

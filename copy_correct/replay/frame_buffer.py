@@ -37,25 +37,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from copy_correct.core.checks import device as checked_device
-from copy_correct.core.checks import integral
 from copy_correct.replay import host_batch, n_step
 from copy_correct.replay.autoreset import AUTORESET_MODES, parse_mode
-from copy_correct.replay.fields import (
-    TORCH_OF,
-    NotCopied,
-    Space,
-    check_num_envs,
-    check_sample,
-    check_settings,
-    flag_rows,
-    layout,
-    taken,
-    unseen,
-)
+from copy_correct.replay.base import ReplayBase
+from copy_correct.replay.fields import TORCH_OF, Space, check_settings, field_spec, layout, unseen
 from copy_correct.replay.frame_codec import codec
 from copy_correct.replay.frame_store import CompressedFrames
-from copy_correct.replay.frame_writes import one_env, vector_env
+from copy_correct.replay.frame_writes import add_for
+from copy_correct.replay.host_batch import held, taken
 
 __all__ = ["AUTORESET_MODES", "FrameReplayBuffer"]
 
@@ -63,7 +52,7 @@ PADDINGS = ("reset", "zero")
 MAX_STACK = 32  # more frames than this in the first dimension: not a stack (channel-last, or one unstacked image)
 
 
-class FrameReplayBuffer(NotCopied):
+class FrameReplayBuffer(ReplayBase):
     """Rings of frames, one per env stream, from which transitions of frame-stacked observations are rebuilt.
 
     Args:
@@ -91,7 +80,11 @@ class FrameReplayBuffer(NotCopied):
         stack, frame_shape: the frames per observation and the shape of one frame.
         nbytes: the bytes of storage: allocated at construction (compressed: and the blocks taken since, and the
             frames waiting to be compressed).
+        device: where ``sample`` puts a batch by default: the CPU, where the rings are.
     """
+
+    _EMPTY = "a FrameReplayBuffer that holds no transition yet"
+    _every_row_drawable = False  # an episode's last frame starts no transition, nor one whose stack lost its start
 
     def __init__(
         self,
@@ -107,16 +100,15 @@ class FrameReplayBuffer(NotCopied):
         gamma: float | None = None,
         compress: str | None = None,
     ) -> None:
-        check_num_envs(num_envs)
-        self.n_steps, self.gamma = n_step.settings(n_steps, gamma)
-        integral("capacity", capacity, "an integer >= 1")
+        super().__init__(capacity, num_envs, n_steps, gamma)
         self.autoreset_mode = parse_mode(autoreset_mode, num_envs)
         if padding not in PADDINGS:
             raise ValueError(f"padding must be one of {', '.join(PADDINGS)}, got {padding!r}")
         obs_shape, frame_dtype = layout("obs", obs, None, np.uint8)
         _check_stacked(obs_shape)
         self.action_shape, action_np = layout("action", action, action_dtype, np.int64)
-        self.num_envs, self.padding = num_envs, padding
+        self.padding = padding
+        self.device, self._on_cpu = torch.device("cpu"), True
         self.stack, self.frame_shape = obs_shape[0], obs_shape[1:]
         self.obs_shape = obs_shape
         envs = num_envs or 1
@@ -144,7 +136,6 @@ class FrameReplayBuffer(NotCopied):
         self._truncated = np.zeros((envs, self._length), dtype=np.bool_)
         self._written = np.zeros(envs, dtype=np.int64)  # frames written to each stream, ever
         self._current = np.full(envs, -1, dtype=np.int64)  # the position of the current obs's newest frame, or -1
-        self._ended = np.zeros(envs, dtype=np.bool_)  # next_step: the env's next row is its reset step
         self._stored = 0  # transitions in the rings (a few at the oldest end may have lost their stack's start)
         self._at_boundary = True  # some env starts an episode or takes its reset step next
         self._envs = np.arange(envs)
@@ -159,27 +150,24 @@ class FrameReplayBuffer(NotCopied):
         self._terminated_flat, self._truncated_flat = self._terminated.reshape(-1), self._truncated.reshape(-1)
         # Each field's shape per transition and the stored dtype; the source dtypes it takes without a look at values.
         frame_torch = TORCH_OF[frame_dtype]
-        self._stored_as = {
+        stored_as = {
             "obs": frame_torch, "next_obs": frame_torch, "final_obs": frame_torch, "action": TORCH_OF[action_np],
             "reward": torch.float32, "terminated": torch.bool, "truncated": torch.bool,
         }  # fmt: skip
         shapes = {"action": self.action_shape, "reward": (), "terminated": (), "truncated": ()}
-        # rewards: no dtype taken unseen, their values are always looked at (finite, within float32)
         self._fields = {
-            name: (shapes.get(name, obs_shape), frozenset() if name == "reward" else unseen(name, stored))
-            for name, stored in self._stored_as.items()
-        }  # fmt: skip
+            name: field_spec(name, shapes.get(name, obs_shape), stored, num_envs) for name, stored in stored_as.items()
+        }
         self._reward_takes = unseen("reward", torch.float32, any_range=True)  # then looked at by finite_rewards
         self._step = (envs,) if num_envs is not None else ()
         self._step_obs, self._step_action = (*self._step, *obs_shape), (*self._step, *self.action_shape)
-        self._flag_rows = flag_rows(envs)  # truncated=False (the default) or True for every env
         self._frame_rows = self._envs * (self._length + 1)  # each stream's first row in _frames_flat
         self._slot_rows = self._envs * self._length  # each stream's first row in the per-slot fields
         self._few = envs <= 2  # the common step env by env, on plain indices (faster for one or two)
         integer = not self.action_shape and action_np.kind in "iu"
         self._action_range = (int(np.iinfo(action_np).min), int(np.iinfo(action_np).max)) if integer else None
         self._fixed_nbytes = sum(a.nbytes for a in self._arrays().values())
-        self._add = one_env if num_envs is None else vector_env  # every add's path (frame_writes), chosen once
+        self._add = add_for(self)  # every add's path (frame_writes), chosen once
 
     def _arrays(self) -> dict[str, np.ndarray]:
         """The arrays of storage of fixed shape (compressed frames: ``_store``'s, apart)."""
@@ -211,29 +199,6 @@ class FrameReplayBuffer(NotCopied):
         lost = self._valid[envs, slots] & ~self._sampleable(envs, slots)
         return self._stored - int(lost.sum())
 
-    # -- writing -------------------------------------------------------------------------------------------------
-
-    def add(
-        self,
-        obs: Any,
-        action: Any,
-        reward: Any,
-        next_obs: Any,
-        terminated: Any,
-        truncated: Any = False,
-        *,
-        final_obs: Any = None,
-    ) -> None:
-        """Store one transition per env (``num_envs=N``: each field with a leading dimension N): the newest frame of
-        ``next_obs``, and of ``obs`` where it starts an episode. In ``"next_step"`` mode an env's reset step is not
-        stored. ``final_obs`` (``infos.get("final_obs")``, ``"same_step"`` mode): the real last observations, taken in
-        place of ``next_obs`` for the envs whose episode ended. ``truncated``: one flag per env, or one for all (the
-        default ``False``). Checked before anything is written, each refusal one line naming the field (and env): a
-        shape or dtype that does not fit, a reward that is not finite, an ``obs`` that does not continue its stream,
-        and an ended row whose ``next_obs`` does not continue its ``obs`` (the next episode's reset stack, as
-        ``"same_step"`` gives it: the message names ``final_obs``)."""
-        self._add(self, obs, action, reward, next_obs, terminated, truncated, final_obs)
-
     # -- reading -------------------------------------------------------------------------------------------------
 
     def _positions(self, envs: np.ndarray, slots: np.ndarray) -> np.ndarray:
@@ -249,58 +214,40 @@ class FrameReplayBuffer(NotCopied):
         in_ring = (positions < self._written[envs]) & (first_needed >= self._written[envs] - self._length)
         return self._valid[envs, slots] & in_ring
 
-    def sample(
-        self, batch_size: int, generator: torch.Generator | None = None, *, device: str | torch.device = "cpu"
-    ) -> dict[str, torch.Tensor]:
-        """``batch_size`` transitions drawn uniformly with replacement, as new tensors on ``device``: ``obs`` and
-        ``next_obs`` the stacks the env gave (shape ``(batch_size, stack, *frame)``), ``action``, ``reward``,
-        ``terminated``, ``truncated`` (with ``n_steps > 1``, each the window's: ``ReplayBuffer.sample``; with
-        ``gamma``, ``discounts``). Candidates are frames drawn by ``torch.randint`` with ``generator``, a quarter
-        more than needed, and the first that start a transition whose stacks are still in the ring are kept (an
-        episode's last frame starts none); more are drawn in the rare case that too few were.
+    def _span(self) -> int:
+        """The frames of every stream's ring that hold one, which a draw's numbers name in turn (``_rows_at``); 0 while
+        no transition is stored."""
+        return int(np.minimum(self._written, self._length).sum()) if self._stored else 0
 
-        On the CPU (the default) the batch is new numpy memory. For a CUDA ``device`` it is gathered into pinned host
-        memory and copied with ``non_blocking=True``, one copy per field that the host does not wait for
-        (``copy_correct.replay.host_batch``); another device: gathered on the host, then ``.to(device)``."""
-        check_sample(batch_size, generator)
-        target = checked_device("device", device)
-        pinned = target.type == "cuda"
-        if self._stored == 0:  # with one stored, each stream's newest transition has its whole stack in the ring
-            raise ValueError("cannot sample from a FrameReplayBuffer that holds no transition yet")
-        length, written = self._length, self._written
-        filled = np.minimum(written, length)
+    def _rows_at(self, numbers: np.ndarray) -> np.ndarray:
+        """The slot row of each number below ``_span()``: the streams' filled frames one after another, each stream's
+        from its oldest."""
+        filled = np.minimum(self._written, self._length)
         bounds = np.cumsum(filled)
-        chosen_envs, chosen_positions, got = [], [], 0
-        while got < batch_size:
-            want = batch_size - got
-            draws = torch.randint(int(bounds[-1]), (want + want // 4 + 8,), generator=generator).numpy()
-            envs = np.searchsorted(bounds, draws, side="right") if len(bounds) > 1 else np.zeros_like(draws)
-            positions = written[envs] - filled[envs] + draws - (bounds[envs] - filled[envs])  # oldest + offset
-            rows = envs * length + positions % length
-            first_needed = np.maximum(positions - (self.stack - 1), self._start_flat[rows])
-            kept = np.flatnonzero(self._valid_flat[rows] & (first_needed >= written[envs] - length))[:want]
-            chosen_envs.append(envs[kept])
-            chosen_positions.append(positions[kept])
-            got += len(kept)
-        envs = np.concatenate(chosen_envs) if len(chosen_envs) > 1 else chosen_envs[0]
-        positions = np.concatenate(chosen_positions) if len(chosen_positions) > 1 else chosen_positions[0]
-        rows = envs * length + positions % length  # into the per-slot fields, flattened
+        envs = np.searchsorted(bounds, numbers, side="right") if len(bounds) > 1 else np.zeros_like(numbers)
+        return envs * self._length + (self._written[envs] - bounds[envs] + numbers) % self._length  # oldest + offset
+
+    def _drawable(self, rows: np.ndarray) -> np.ndarray:
+        """Whether a transition starts at each row's frame and both its stacks are still in the ring (an episode's
+        last frame starts none)."""
+        return self._sampleable(*np.divmod(rows, self._length))
+
+    def _fields_at(self, rows: np.ndarray, window: n_step.Window | None, pinned: bool) -> dict[str, torch.Tensor]:
+        """The transitions at ``rows`` (the n-step ``window``'s where given) gathered into new memory: both stacks of
+        each rebuilt from the rings (``_stacks``), the other fields by numpy's ``take``; ``pinned``: page-locked."""
+        envs, slots = np.divmod(rows, self._length)
+        positions = self._positions(envs, slots)
         start = self._start_flat.take(rows)[:, None]
         obs_at = positions[:, None] + self._offsets
-        window = None if self.n_steps == 1 else self._window(rows)
         last, steps = (rows, 1) if window is None else (window.last, window.steps[:, None])
-        batch = {
-            "obs": self._gather(envs, obs_at, start, pinned),
+        return {
+            "obs": self._stacks(envs, obs_at, start, pinned),
             "action": taken(self._action_flat, rows, pinned),
-            "reward": taken(self._reward_flat, rows, pinned) if window is None else n_step.held(window.returns, pinned),
-            "next_obs": self._gather(envs, obs_at + steps, start, pinned),
+            "reward": taken(self._reward_flat, rows, pinned) if window is None else held(window.returns, pinned),
+            "next_obs": self._stacks(envs, obs_at + steps, start, pinned),
             "terminated": taken(self._terminated_flat, last, pinned),
             "truncated": taken(self._truncated_flat, last, pinned),
         }
-        if self.gamma is not None:
-            discounts = np.full(batch_size, self.gamma, np.float32) if window is None else window.discounts
-            batch["discounts"] = n_step.held(discounts, pinned)
-        return batch if target.type == "cpu" else host_batch.moved(batch, target)
 
     def _window(self, rows: np.ndarray) -> n_step.Window:
         """The n-step windows of the transitions at ``rows`` (``copy_correct.replay.n_step``): a stream's next
@@ -313,7 +260,7 @@ class FrameReplayBuffer(NotCopied):
         reward, terminated, truncated = self._reward_flat, self._terminated_flat, self._truncated_flat
         return n_step.windows(window, written, reward, terminated, truncated, self.gamma)
 
-    def _gather(self, envs: np.ndarray, positions: np.ndarray, start: np.ndarray, pinned: bool) -> torch.Tensor:
+    def _stacks(self, envs: np.ndarray, positions: np.ndarray, start: np.ndarray, pinned: bool) -> torch.Tensor:
         """The frames at ``positions`` (batch, stack) of each row's env: those before the row's episode start are its
         padding. One gather of the flattened rings into new numpy memory, by torch's ``index_select``, which splits the
         copy over its threads (measured by ``benchmarks/frame_replay.py``: 10-15% under numpy's ``take``; indexing the

@@ -19,15 +19,20 @@ New memory only for a tensor's value on the host (``checked``) and for ``next_ob
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import torch
 
-from copy_correct.replay.fields import refuse_dtype, shape_error
+from copy_correct.replay import fields
 from copy_correct.replay.values import F32_MAX, F32_MIN, finite_rewards
 
-__all__ = ["check_ends", "checked", "one_env", "vector_env"]
+__all__ = ["add_for", "check_ends", "checked", "one_env", "vector_env"]
+
+
+def add_for(buffer: Any) -> Callable[..., None]:
+    """The path of ``buffer``'s every ``add``: ``one_env`` for one env reset by hand, else ``vector_env``."""
+    return one_env if buffer.num_envs is None else vector_env
 
 
 def one_env(buffer: Any, obs: Any, action: Any, reward: Any, next_obs: Any, terminated: Any, truncated: Any,
@@ -37,7 +42,8 @@ def one_env(buffer: Any, obs: Any, action: Any, reward: Any, next_obs: Any, term
     if final_obs is not None:
         vector_env(buffer, obs, action, reward, next_obs, terminated, truncated, final_obs)
         return
-    shape, takes = buffer._fields["obs"]  # next_obs's too: stacks as the env gives them are taken as they are
+    spec = buffer._fields["obs"]  # next_obs's too: stacks as the env gives them are taken as they are
+    shape, takes = spec.shape, spec.accepted
     o = obs if type(obs) is np.ndarray and obs.shape == shape and obs.dtype in takes else checked(buffer, "obs", obs)[0]
     n = next_obs
     if not (type(next_obs) is np.ndarray and next_obs.shape == shape and next_obs.dtype in takes):
@@ -136,7 +142,8 @@ def _as_given(buffer: Any, obs: Any, action: Any, next_obs: Any, terminated: Any
     if buffer.num_envs is None:
         return False
     nd, stacks, flags = np.ndarray, buffer._step_obs, buffer._step
-    (_, takes_obs), (_, takes_action), (_, takes_flag) = (buffer._fields[k] for k in ("obs", "action", "terminated"))
+    specs = buffer._fields
+    takes_obs, takes_action, takes_flag = specs["obs"].accepted, specs["action"].accepted, specs["terminated"].accepted
     return (
         type(obs) is nd and type(next_obs) is nd and type(action) is nd and type(terminated) is nd
         and type(truncated) is nd and obs.shape == stacks and next_obs.shape == stacks
@@ -286,7 +293,7 @@ def _plain_action(buffer: Any, action: Any) -> bool:
         return (type(action) is int or type(action) is np.int64) and (
             buffer._action_range[0] <= action <= buffer._action_range[1]
         )
-    _, accepted = buffer._fields["action"]
+    accepted = buffer._fields["action"].accepted
     return type(action) is np.ndarray and action.dtype in accepted and action.shape == buffer.action_shape
 
 
@@ -355,27 +362,12 @@ def check_ends(buffer: Any, obs: np.ndarray, next_obs: np.ndarray, at: np.ndarra
 
 def checked(buffer: Any, name: str, value: Any, one: bool = False) -> np.ndarray:
     """``value`` for field ``name`` as a numpy array with a leading env dimension (a view where it is one
-    already), after the checks: its shape, and a dtype that the field stores without changing its values
-    (``ValueError`` naming both). ``one``: a single env's value, whatever ``num_envs``."""
-    shape, accepted = buffer._fields[name]
+    already), after ``fields.checked``'s checks: its shape, and a dtype that the field stores without changing its
+    values (``ValueError`` naming both). ``one``: a single env's value, whatever ``num_envs``."""
+    field = buffer._fields[name]
     single = one or buffer.num_envs is None
-    expected = shape if single else (buffer.num_envs, *shape)
-    if type(value) is np.ndarray and value.dtype in accepted and value.shape == expected:  # as envs give them
+    expected = field.shape if one else field.add_shape
+    if type(value) is np.ndarray and value.dtype in field.accepted and value.shape == expected:  # as envs give them
         return value[None] if single else value
-    if isinstance(value, torch.Tensor):
-        value = value.detach()  # Copy decision: the buffer never holds, nor writes through, a graph
-        source: Any = value.dtype
-        value = value.cpu()
-        value = (value.float() if value.dtype == torch.bfloat16 else value).numpy()
-    elif isinstance(value, (np.ndarray, np.generic)):
-        source = value.dtype
-    elif type(value) in (bool, int, float):
-        source = type(value)
-    else:
-        raise TypeError(f"{name} must be a numpy array, a tensor or a number, got {type(value).__name__}")
-    array = np.asarray(value)
-    if array.shape != expected:
-        raise shape_error(name, array.shape, shape, expected, buffer.num_envs)
-    if source not in accepted:
-        refuse_dtype(name, source, value, buffer._stored_as[name], name == "reward", array)
+    array = np.asarray(fields.checked(field, value, buffer.num_envs, one=one))
     return array[None] if single else array

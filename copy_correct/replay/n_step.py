@@ -9,7 +9,8 @@ truncation's real last observation is what bootstraps), and ``discounts`` is ``g
 ``(rewards * gamma**arange(n) * mask).sum(axis=1)`` by numpy and ``gamma ** m``, so the two agree bit for bit.
 
 A buffer hands over, for each drawn transition, the rows of the ``n_steps`` transitions of its env's stream from it
-on (``rows``, one line each) and whether each is written yet (``written``; where it is not, any row in range). A
+on (``rows``, one line each) and whether each is written yet (``written``; where it is not, any row in range):
+``ReplayBuffer`` a fixed stride on, or the links ``writes.linked`` keeps where ``"next_step"`` leaves rows out. A
 window never crosses an episode's end (it stops at the flag), so a reset step left out of the rows needs no look.
 
 Copy contract: reads the buffer's reward and flag rows (numpy memory on the host), writes none of them; the returns
@@ -18,17 +19,14 @@ and discounts are new arrays, which the sample hands over as new tensors. Nothin
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
 from copy_correct.core.checks import integral
-from copy_correct.replay import host_batch
 
-__all__ = ["Window", "held", "linked", "settings", "windows"]
+__all__ = ["Window", "settings", "windows"]
 
 
 def settings(n_steps: Any, gamma: Any) -> tuple[int, float | None]:
@@ -72,45 +70,3 @@ def windows(rows: np.ndarray, written: np.ndarray, reward: np.ndarray, terminate
     returns = (reward[rows] * powers * mask).sum(axis=1)  # a step not taken is masked out, as stable-baselines3's are
     last = rows[np.arange(len(rows)), steps - 1]
     return Window(last, steps, returns, gamma ** steps.astype(np.float32))
-
-
-def held(array: np.ndarray, pinned: bool) -> torch.Tensor:
-    """``array`` (new memory already) as a batch's tensor: itself, or a copy in page-locked memory (``pinned``)."""
-    if not pinned:
-        return torch.from_numpy(array)
-    into, out = host_batch.empty(array.shape, array.dtype, pinned)
-    into[...] = array
-    return out
-
-
-def linked(add: Callable[..., None]) -> Callable[..., None]:
-    """``ReplayBuffer.add``'s path ``add``, keeping each env's rows linked, oldest to newest (``"next_step"`` with
-    several envs: the envs whose reset steps are left out shift the others' rows, so an env's next row is not a
-    fixed stride away). ``buffer._next_row[r]``: the row of the next transition of row ``r``'s env, or -1 (none yet);
-    ``buffer._last_row[e]``: env ``e``'s newest row, or -1; ``buffer._linked_all``: every env has one, and none can be
-    overwritten before its next (the common step then takes three writes). A refused ``add`` raises before the links
-    change."""
-
-    def add_linked(buffer: Any, *fields: Any) -> None:
-        pos, skipped = buffer.pos, buffer._ended.copy() if buffer._skip else None
-        add(buffer, *fields)
-        following, last, envs = buffer._next_row, buffer._last_row, buffer._last_row_envs
-        if skipped is None and buffer._linked_all and pos + len(envs) <= buffer.capacity:  # the common step
-            rows = envs + pos
-            following[pos : pos + len(envs)] = -1
-            following[last] = rows
-            last[:] = rows
-            return
-        if skipped is not None:
-            envs = np.flatnonzero(~skipped)
-        rows = (pos + np.arange(len(envs))) % buffer.capacity
-        following[rows] = -1
-        if buffer.capacity < 3 * buffer.num_envs:  # an env's newest row may be overwritten before its next is written
-            last[np.isin(last, rows)] = -1
-        previous = last[envs]
-        linking = previous >= 0
-        following[previous[linking]] = rows[linking]
-        last[envs] = rows
-        buffer._linked_all = buffer.capacity >= 3 * buffer.num_envs and bool((last >= 0).all())
-
-    return add_linked

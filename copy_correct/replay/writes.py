@@ -1,20 +1,21 @@
 """``ReplayBuffer``'s storage (``storage``: one block, a view of it per field) and ``add``'s paths into it, one per
-mode, chosen once at construction (``add_for``):
+mode, chosen once at construction (``add_for``), with n-step links where it needs them (``linked``):
 
 * ``one_env_on_cpu``: one transition as an environment loop has it (a numpy observation in the stored dtype, a Python
   int action, a Python float reward, Python bools), written through ``memoryview``s; any other, ``one_env``.
 * ``vector_rows_on_cpu``: a vector env's step as ``envs.step`` gives it, every row a transition, at a position that
   is a multiple of ``num_envs``: one row write per field of a ``(capacity // N, N, ...)`` view; any other,
   ``vector_env``.
-* ``one_env`` and ``vector_env``: anything ``add`` takes, on any device, each field through ``checked``; the rows of
-  ``"next_step"``'s reset steps are left out (written around, a run of envs at a time) and ``final_obs`` is written
-  over the ``next_obs`` rows of the endings. Telling those rows apart reads the flags on the host (a CUDA sync).
+* ``one_env`` and ``vector_env``: anything ``add`` takes, on any device, each field through ``fields.checked``; the
+  rows of ``"next_step"``'s reset steps are left out (written around, a run of envs at a time) and ``final_obs`` is
+  written over the ``next_obs`` rows of the endings. Telling those rows apart reads the flags on the host (a CUDA sync).
 
 Copy contract: every path checks every field before writing any (a refused ``add`` leaves the buffer as it was),
 writes outside autograd (a tensor is read through ``detach()``; on the CPU the writes are numpy's, which torch's
 probes do not see, ``tracemalloc`` does), keeps nothing of the caller's, and raises the storage's one version counter
-once. New memory only where ``checked`` makes it: a host copy of a tensor on another device and a float32 copy of a
-bfloat16 one (numpy has none), into a CPU buffer; a 0-d host array for a number into a uint64 field elsewhere.
+once. New memory only where ``fields.checked`` makes it: a host copy of a tensor on another device and a float32 copy
+of a bfloat16 one (numpy has none), into a CPU buffer; a 0-d host array for a number into a uint64 field elsewhere.
+``linked`` writes the rows' links into arrays the buffer allocated at construction.
 """
 
 from __future__ import annotations
@@ -28,38 +29,29 @@ import numpy as np
 import torch
 
 from copy_correct.core.torch_internals import increment_versions
-from copy_correct.replay.fields import TORCH_OF, refuse_dtype, shape_error, unseen
+from copy_correct.replay.fields import TORCH_OF, Spec, checked, field_spec, unseen
 from copy_correct.replay.values import F32_MAX, F32_MIN, SQUARES
 
 __all__ = [
-    "EnvRows", "Field", "add_for", "checked", "one_env", "one_env_on_cpu", "storage", "vector_env",
-    "vector_rows_on_cpu",
+    "EnvRows", "Field", "add_for", "linked", "one_env", "one_env_on_cpu", "storage", "vector_env", "vector_rows_on_cpu",
 ]  # fmt: skip
 
 _ALIGN = 64  # bytes from one field's start to the next one's, at least
-_ndarray, _int64, _Tensor = np.ndarray, np.int64, torch.Tensor  # read on every add: one lookup each, not two
-_NUMPY_VALUES, _NUMBERS = (np.ndarray, np.bool_, np.integer, np.floating), (bool, int, float)  # what checked takes
+_ndarray, _int64 = np.ndarray, np.int64  # read on every add: one lookup each, not two
 
 
 @dataclass(frozen=True)
-class Field:
-    """One field: its shapes per transition and per ``add``, its tensor (a view of the block) and dtype, the dtypes it
-    takes without a look at the values (none for rewards, whose values are always looked at: ``finite``), what ``add``
-    writes through (a numpy view of the block on the CPU, else a tensor over the block's memory, which leaves the
-    version counter to ``add``), its bytes per transition, and whether ``sample`` may gather it on the CPU with torch's
-    ``index_select``: not a field of one number per transition in uint16, uint32 or uint64, for which torch's CPU
-    ``index_select`` has no kernel before 2.14 (``"index_select" not implemented for 'UInt16'``): numpy's ``take``
-    gathers it."""
+class Field(Spec):
+    """One field: what a value of it must be (``Spec``: none of the dtypes taken unseen for rewards, whose values are
+    always looked at), its tensor (a view of the block), what ``add`` writes through (a numpy view of the block on the
+    CPU, else a tensor over the block's memory, which leaves the version counter to ``add``), its bytes per transition,
+    and whether ``sample`` may gather it on the CPU with torch's ``index_select``: not a field of one number per
+    transition in uint16, uint32 or uint64, for which torch's CPU ``index_select`` has no kernel before 2.14
+    (``"index_select" not implemented for 'UInt16'``): numpy's ``take`` gathers it."""
 
-    name: str
-    shape: tuple[int, ...]
-    add_shape: tuple[int, ...]
     tensor: torch.Tensor
-    dtype: torch.dtype
-    accepted: frozenset[np.dtype | torch.dtype | type]
     writer: np.ndarray | torch.Tensor
     row_bytes: int
-    finite: bool = False
     torch_gather: bool = True
 
 
@@ -81,23 +73,55 @@ def storage(capacity: int, layout: dict[str, tuple[tuple[int, ...], np.dtype]], 
         else:  # a tensor set to the same memory but not a view of base: its writes leave the counter alone
             writer = torch.empty(0, dtype=tensor.dtype, device=device)
             writer.set_(base.untyped_storage(), start // dtype.itemsize, tensor.shape)
-        add_shape = shape if num_envs is None else (num_envs, *shape)
-        finite = name == "reward"
-        accepted = frozenset() if finite else unseen(name, tensor.dtype)
         row_bytes = sizes[name] // capacity
         torch_gather = bool(shape) or dtype.kind != "u" or dtype.itemsize == 1  # Field: torch's CPU index_select
-        fields.append(
-            Field(name, shape, add_shape, tensor, tensor.dtype, accepted, writer, row_bytes, finite, torch_gather)
-        )
+        spec = vars(field_spec(name, shape, tensor.dtype, num_envs))
+        fields.append(Field(**spec, tensor=tensor, writer=writer, row_bytes=row_bytes, torch_gather=torch_gather))
         start += -(-sizes[name] // _ALIGN) * _ALIGN
     return base, fields
 
 
 def add_for(buffer: Any) -> Callable[..., None]:
-    """The path of ``buffer``'s every ``add``, from where its storage lives, ``num_envs`` and its capacity."""
+    """The path of ``buffer``'s every ``add``, from where its storage lives, ``num_envs`` and its capacity; ``linked``
+    where the buffer keeps its rows' links (``_next_row``: ``n_steps`` with ``"next_step"``'s several envs)."""
     if buffer.num_envs is None:
-        return one_env_on_cpu(buffer._fields, buffer._version_of, buffer.capacity) if buffer._on_cpu else one_env
-    return vector_rows_on_cpu if buffer._rows is not None else vector_env
+        path = one_env_on_cpu(buffer._fields, buffer._version_of, buffer.capacity) if buffer._on_cpu else one_env
+    else:
+        path = vector_rows_on_cpu if buffer._rows is not None else vector_env
+    return path if buffer._next_row is None else linked(path)
+
+
+def linked(add: Callable[..., None]) -> Callable[..., None]:
+    """``add``, keeping each env's rows linked, oldest to newest, for the n-step windows (``"next_step"`` with several
+    envs: the envs whose reset steps are left out shift the others' rows, so an env's next row is not a fixed stride
+    away). ``buffer._next_row[r]``: the row of the next transition of row ``r``'s env, or -1 (none yet);
+    ``buffer._last_row[e]``: env ``e``'s newest row, or -1; ``buffer._linked_all``: every env has one, and none can be
+    overwritten before its next (the common step then takes three writes). A refused ``add`` raises before the links
+    change."""
+
+    def add_linked(buffer: Any, *fields: Any) -> None:
+        pos, skipped = buffer.pos, buffer._ended.copy() if buffer._skip else None
+        add(buffer, *fields)
+        following, last, envs = buffer._next_row, buffer._last_row, buffer._last_row_envs
+        if skipped is None and buffer._linked_all and pos + len(envs) <= buffer.capacity:  # the common step
+            rows = envs + pos
+            following[pos : pos + len(envs)] = -1
+            following[last] = rows
+            last[:] = rows
+            return
+        if skipped is not None:
+            envs = np.flatnonzero(~skipped)
+        rows = (pos + np.arange(len(envs))) % buffer.capacity
+        following[rows] = -1
+        if buffer.capacity < 3 * buffer.num_envs:  # an env's newest row may be overwritten before its next is written
+            last[np.isin(last, rows)] = -1
+        previous = last[envs]
+        linking = previous >= 0
+        following[previous[linking]] = rows[linking]
+        last[envs] = rows
+        buffer._linked_all = buffer.capacity >= 3 * buffer.num_envs and bool((last >= 0).all())
+
+    return add_linked
 
 
 def one_env_on_cpu(fields: list[Field], versions: tuple[torch.Tensor], capacity: int) -> Callable[..., None]:
@@ -189,7 +213,7 @@ def one_env(buffer: Any, obs: Any, action: Any, reward: Any, next_obs: Any, term
     episode ended."""
     sources = _sources(buffer, (obs, action, reward, next_obs, terminated, truncated))
     ended = final_obs is not None and (_flags(sources[4]) | _flags(sources[5]))[0]
-    final = checked(buffer, buffer._final, final_obs) if ended else None
+    final = checked(buffer._final, final_obs, buffer.num_envs, host=buffer._on_cpu) if ended else None
     pos = buffer.pos  # everything is checked: from here on, only writes
     for field, source in zip(buffer._fields, sources, strict=True):
         field.writer[pos] = source
@@ -229,12 +253,13 @@ def vector_env(buffer: Any, obs: Any, action: Any, reward: Any, next_obs: Any, t
 def _sources(buffer: Any, values: tuple[Any, ...]) -> list[Any]:
     """Each field's value ready to be written; on the CPU, arrays of a dtype and shape that fit as they are (numpy
     casts them)."""
+    num_envs = buffer.num_envs
     if buffer._on_cpu:
         return [
-            v if type(v) is _ndarray and v.dtype in f.accepted and v.shape == f.add_shape else checked(buffer, f, v)
+            v if type(v) is _ndarray and v.dtype in f.accepted and v.shape == f.add_shape else checked(f, v, num_envs)
             for f, v in zip(buffer._fields, values, strict=True)
         ]
-    return [checked(buffer, f, v) for f, v in zip(buffer._fields, values, strict=True)]
+    return [checked(f, v, num_envs, host=False) for f, v in zip(buffer._fields, values, strict=True)]
 
 
 def _write_rows(buffer: Any, sources: list[Any], first: int, stop: int, pos: int) -> None:
@@ -259,37 +284,9 @@ def _finals(buffer: Any, final_obs: Any, ended: np.ndarray) -> list[tuple[int, A
     for env in np.flatnonzero(ended).tolist():
         if final_obs[env] is None:
             raise ValueError(f"final_obs of env {env} is None, but its episode ended: pass this step's final_obs")
-        finals.append((env, checked(buffer, replace(buffer._final, name=f"final_obs of env {env}"), final_obs[env])))
+        final = replace(buffer._final, name=f"final_obs of env {env}")
+        finals.append((env, checked(final, final_obs[env], num_envs, host=buffer._on_cpu)))
     return finals
-
-
-def checked(buffer: Any, field: Field, value: Any) -> Any:
-    """``value`` ready to be written into ``field`` (a tensor detached, and on the CPU as numpy; elsewhere a tensor or
-    a Python number, a uint64 field's number as a 0-d tensor); raises a ``ValueError`` naming the field if its shape or
-    dtype does not fit, before anything is written."""
-    if isinstance(value, _Tensor):
-        value = value.detach()  # Copy decision: the buffer never holds, nor writes through, a graph
-        dtype, shape = value.dtype, tuple(value.shape)
-    elif isinstance(value, _NUMPY_VALUES):
-        dtype, shape = value.dtype, value.shape
-    elif type(value) in _NUMBERS:
-        dtype, shape = type(value), ()
-    else:
-        raise TypeError(f"{field.name} must be a numpy array, a tensor or a number, got {type(value).__name__}")
-    if shape != field.add_shape:
-        raise shape_error(field.name, shape, field.shape, field.add_shape, buffer.num_envs)
-    if dtype not in field.accepted:  # a number's value may still fit; anything else is refused
-        refuse_dtype(field.name, dtype, value, field.dtype, field.finite, value)
-    if buffer._on_cpu:
-        if isinstance(value, _Tensor):
-            value = value.cpu()  # a host copy when the tensor is on another device
-            return (value.float() if value.dtype == torch.bfloat16 else value).numpy()  # numpy has no bfloat16
-        return value
-    if isinstance(value, (np.ndarray, np.generic)):  # torch writes tensors and Python numbers
-        value = torch.from_numpy(value) if isinstance(value, np.ndarray) else value.item()
-    if type(value) is int and field.dtype is torch.uint64:  # torch < 2.14 writes no int beyond int64's range: a tensor
-        return torch.from_numpy(np.array(value, dtype=np.uint64))
-    return value
 
 
 class EnvRows:

@@ -217,7 +217,7 @@ def test_the_control_without_the_check_the_ended_rows_end_on_the_next_episodes_r
 class NaiveFrames(FrameReplayBuffer):
     """The control: frames stored once, but stacks are the previous frames of the stream, episodes or not."""
 
-    def _gather(self, envs: np.ndarray, positions: np.ndarray, start: np.ndarray, pinned: bool) -> torch.Tensor:
+    def _stacks(self, envs: np.ndarray, positions: np.ndarray, start: np.ndarray, pinned: bool) -> torch.Tensor:
         return torch.from_numpy(self._frames[envs[:, None], positions % self._length])
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from copy_correct import FrameReplayBuffer, ReplayBuffer
-from copy_correct.replay.fields import NotCopied
+from copy_correct.replay.base import ReplayBase
 
 Buffer = ReplayBuffer | FrameReplayBuffer
 ENVS = 2
@@ -118,7 +118,7 @@ def test_its_state_loaded_into_a_new_buffer_is_the_copy_sampling_the_same_and_sh
 def test_the_control_a_deep_copy_of_a_one_env_replay_buffer_adds_into_the_originals_rows(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.delattr(NotCopied, "__reduce_ex__")
+    monkeypatch.delattr(ReplayBase, "__reduce_ex__")
     original = MAKERS["ReplayBuffer"]()
     duplicate = copy.deepcopy(original)
     obs, *rest = next(steps(original))
@@ -133,7 +133,7 @@ def test_the_control_a_deep_copy_adds_where_its_own_samples_do_not_read(
 ) -> None:
     """The copy and the original, fed the same transitions, sample the same before the copy's first add, and apart
     after it."""
-    monkeypatch.delattr(NotCopied, "__reduce_ex__")
+    monkeypatch.delattr(ReplayBase, "__reduce_ex__")
     transitions = steps(MAKERS[kind]())
     original = fed(MAKERS[kind](), transitions, 10)
     duplicate = COPIES[how](original)
@@ -146,7 +146,7 @@ def test_the_control_a_deep_copy_adds_where_its_own_samples_do_not_read(
 
 @pytest.mark.parametrize("kind", ["ReplayBuffer", "FrameReplayBuffer"])
 def test_the_control_a_shallow_copy_holds_the_originals_rings(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delattr(NotCopied, "__reduce_ex__")
+    monkeypatch.delattr(ReplayBase, "__reduce_ex__")
     original = MAKERS[kind]()
     assert shared(copy.copy(original), original)
 
@@ -155,7 +155,7 @@ def test_the_control_a_shallow_copy_holds_the_originals_rings(kind: str, monkeyp
 def test_the_control_a_compressed_buffer_fails_on_its_flush_lock_and_its_codec(
     codec: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delattr(NotCopied, "__reduce_ex__")
+    monkeypatch.delattr(ReplayBase, "__reduce_ex__")
     buffer = compressed(codec)()
     with pytest.raises(TypeError, match=r"^cannot pickle '_thread\.lock' object$"):
         copy.deepcopy(buffer)

@@ -26,7 +26,7 @@ import torch
 
 import copy_correct.replay.sample_ahead as sample_ahead
 from copy_correct import FrameReplayBuffer, ReplayBuffer, SampleAhead
-from copy_correct.replay.fields import NotCopied
+from copy_correct.replay.base import ReplayBase
 from tests.conftest import CUDA
 
 BATCH, EVERY, STEPS, FIRST = 16, 4, 160, 20  # a sample every 4 adds from add 20 on, as dqn_atari.py's cadence
@@ -432,7 +432,7 @@ def test_pickle_and_deepcopy_are_refused_in_one_line_naming_state_dict_and_the_c
         with pytest.raises(TypeError, match=r"^a SampleAhead cannot be pickled or copied \(.*state_dict\(\)[^\n]*$"):
             duplicate(sampled)
         monkeypatch.delattr(SampleAhead, "__reduce_ex__")  # the control: without the refusals, the thread's parts
-        monkeypatch.delattr(NotCopied, "__reduce_ex__")  # (the buffer's comes first)
+        monkeypatch.delattr(ReplayBase, "__reduce_ex__")  # (the buffer's comes first)
         with pytest.raises(TypeError, match=r"^cannot pickle '(_queue\.SimpleQueue|_thread\.\w+)' object$"):
             duplicate(sampled)
 
