@@ -3,41 +3,22 @@
     python train.py +recipe=ema                                       # the 8x8 digits, an MLP
     python train.py +recipe=ema data=images data.root=DIR             # your labelled images, a small CNN
 
-What it shows: the optimiser is deliberately noisy (large constant learning rate, small batches), the setting in
-which averaging pays, and every validation runs twice, with the EMA weights (``val/acc_ema``) and the live ones
-(``val/acc``): ``summary.json`` holds both accuracies. This module holds no EMA code: the EMA is the callback
-``callbacks.ema`` in ``conf/recipe/ema.yaml`` attaches, ``EMAWeights`` (``copy_correct/lightning/ema_weights.py``),
-and it enters in four of that class's methods, in the order Lightning calls them:
-  * ``on_fit_start``: ``EMA(pl_module, decay=...)`` (``copy_correct/averages/ema.py``), a shadow of every parameter and
-    BatchNorm statistic in tensors of its own: no deep copy of the module, nothing added to ``parameters()`` or the
-    optimiser.
-  * ``on_train_batch_end``, after each optimizer step: ``ema.update(pl_module)``, one in-place ``_foreach_lerp_`` per
-    dtype group under ``no_grad``: no allocation, no host sync, no graph.
-  * ``_evaluate_with_ema``, around each validation loop's ``run``: ``with ema.average_weights(pl_module): run()``
-    under suffixed names, then ``run()``: the swap is in place and restores the live weights bit for bit.
-  * ``on_save_checkpoint``: the average becomes the checkpoint's ``state_dict`` (``load_from_checkpoint`` gives the
-    averaged model), the live weights go into the callback's state, copied back in place when a fit resumes.
+The optimiser is deliberately noisy (a large constant learning rate, small batches), the setting in which averaging
+pays; every validation runs twice, with the EMA weights (``val/acc_ema``) and with the live ones (``val/acc``).
 
-Sharded (``python train.py +recipe=ema trainer=fsdp``): ``configure_model`` shards the network with FSDP2
-(``recipes/model_setup.py``), so each process holds 1/N of every weight, and ``EMAWeights`` keeps the average of its
-own shards only, 1/N of the shadow, updated with no collective.
+Copy decisions: this module holds no EMA code. The average is the callback ``callbacks.ema``, ``EMAWeights``: a
+shadow of every parameter and BatchNorm statistic in tensors of its own, made once (nothing added to ``parameters()``
+or the optimiser); updated in place after each optimizer step, outside autograd (one ``_foreach_lerp_`` per dtype
+group under ``no_grad``); copied in for each validation's EMA pass, the live weights then restored bit for bit.
 
-The other callbacks are ``conf/callbacks/default.yaml``'s, which every recipe has:
-  * ``IsolatedEvaluation`` (``copy_correct/lightning/isolated_evaluation.py``): each validation's draws from torch's,
-    NumPy's and Python's generators, both passes', are undone when it ends; the batches after it are not those of a
-    plain Lightning run, and do not depend on how often the run validates or on ``evaluate``.
-  * ``ResumeState`` (``copy_correct/lightning/resume.py``, ``resume_data_order.py``): copies of the generators' states
-    and a record of the training order (a sampler between the loader and its own, drawing nothing) in every
-    checkpoint, so a resumed run draws and batches as the uninterrupted one.
-  * ``NonFiniteStop`` (``copy_correct/lightning/nonfinite_stop.py``): each loss copied on its device into a tensor
-    made once, the weights read, never copied, every 50 batches and before each save.
-  * ``ModelCheckpoint`` and ``LastCheckpoint`` (``copy_correct/lightning/last_checkpoint.py``) save through
-    ``AtomicCheckpointIO`` (``atomic_checkpoint.py``): each storage, the shadow's too, streamed into a file beside the
-    target and renamed over it. ``RunSummary``, ``StaleTemporaries``, the progress bar: read only.
+Callbacks (``conf/recipe/ema.yaml``, then ``conf/callbacks/default.yaml``'s; files in ``copy_correct/lightning/``):
+  * ``EMAWeights``, ``ema_weights.py``: the average, as above.
+  * every recipe's: ``IsolatedEvaluation`` (``isolated_evaluation.py``), ``ResumeState`` (``resume.py``),
+    ``NonFiniteStop`` (``nonfinite_stop.py``), ``LastCheckpoint`` (``last_checkpoint.py``) and Lightning's
+    ``ModelCheckpoint`` through ``AtomicCheckpointIO`` (``atomic_checkpoint.py``), ``RunSummary``
+    (``run_summary.py``), ``StaleTemporaries`` (``stale_temporaries.py``), the progress bar (``recipes/progress.py``).
 
-The network follows the data (``model.network``, ``recipes/networks.py``): an MLP with BatchNorm for the 8x8 digits,
-a small CNN for square images whose side is 4, 5, 6 or 7 times a power of two, 16 or more; ``train.py`` fills
-``model.image_shape`` and ``model.num_classes`` from the data module.
+The four ``EMAWeights`` methods where it enters, the checkpoints, sharding and the callbacks: ``docs/recipes/ema.md``.
 
 Change first: the data (``data=images data.root=DIR``, one subfolder per class; keys in ``conf/data/images.yaml``)
 and ``decay`` in ``conf/recipe/ema.yaml`` (about ``1 / (1 - decay)`` steps are averaged); then the networks in
@@ -111,11 +92,17 @@ class NoisyClassifier(pl.LightningModule):
         h = self.hparams
         return torch.optim.SGD(self.parameters(), lr=h.lr, momentum=h.momentum, fused=not sharded, foreach=sharded)
 
+    # -- The training step: plain SGD; EMAWeights averages the weights after it --
+
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = F.cross_entropy(self(x), y)
-        self.log("train/loss", loss, prog_bar=True)
+        # Copy decision: nothing of the average here. EMAWeights updates its shadow after the optimizer step, in place
+        # under no_grad, so the average is in neither this step's graph nor the optimiser.
+        self.log("train/loss", loss, prog_bar=True)  # Lightning keeps a detached value
         return loss
+
+    # -- Validation --
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         # Runs twice per epoch under EMAWeights: with the EMA weights swapped in (logged as `val/..._ema`),

@@ -4,48 +4,22 @@ other, on the 8x8 digits or on your own images.
     python train.py +recipe=gan                                           # 8x8 digits, MLP networks
     python train.py +recipe=gan data=images data.root=DIR                 # your images, DCGAN networks
 
-What it shows, per training step:
-  * ``fake = G(z)`` runs once. The discriminator step sees ``fake.detach()``: the same values, no graph,
-    so its backward stops at the detach (no gradient reaches G, nothing of G's graph is walked or kept).
-  * The generator step reuses ``fake`` and goes through D inside ``frozen(D)``: gradients flow through D to
-    G, but none is written into D's parameters; D's ``requires_grad`` flags come back exactly afterwards.
-  * An EMA of the generator's weights (as in StyleGAN) is updated in place after each step; samples and quality
-    figures come from it, with the live generator's figures logged beside them.
+Copy decisions, all in ``training_step``: ``fake = G(z)`` runs once; the discriminator step sees ``fake.detach()``
+(shared storage, no graph: its backward never enters G); the generator step reuses ``fake`` through ``frozen(D)``
+(gradients flow through D, none is written into it). Samples and quality figures come from the generator's EMA,
+swapped in place for them and the live weights restored bit for bit.
 
-The networks follow the data (``model.network``, ``recipes/networks.py``): MLPs for the 8x8 digits, DCGAN's
-convolutional generator and discriminator for square images whose side is 4, 5, 6 or 7 times a power of two, 16 or
-more. ``train.py`` fills ``model.image_shape`` and ``model.num_classes`` from the data module (and the data module the
-images' size and channels from the files, unless the config sets them).
+Callbacks (``conf/recipe/gan.yaml``, then ``conf/callbacks/default.yaml``'s; files in ``copy_correct/lightning/``):
+  * ``EMAWeights(module="generator")``, ``ema_weights.py``: the generator's EMA, updated in place after both steps;
+    the checkpoint's generator weights are the average, the live ones in the callback's state.
+  * ``PostHocEMASnapshots(module="generator")``, ``posthoc_ema_snapshots.py``: power-function profiles of the
+    generator, snapshotted into ``checkpoints/power_ema/`` for ``copy-correct posthoc``.
+  * every recipe's: ``IsolatedEvaluation`` (``isolated_evaluation.py``), ``ResumeState`` (``resume.py``),
+    ``NonFiniteStop`` (``nonfinite_stop.py``), ``LastCheckpoint`` (``last_checkpoint.py``) and Lightning's
+    ``ModelCheckpoint`` through ``AtomicCheckpointIO`` (``atomic_checkpoint.py``), ``RunSummary``
+    (``run_summary.py``), ``StaleTemporaries`` (``stale_temporaries.py``), the progress bar (``recipes/progress.py``).
 
-Quality is judged by a network trained on ``eval_samples`` real training images when the run starts (seeded,
-``recipes/gan_quality.py``): a classifier of their labels when the data has labels, otherwise an autoencoder (features
-that must reconstruct the image). Its features give a Frechet distance (torchmetrics' ``FrechetInceptionDistance`` with
-the judge as the feature extractor) between real training images and ``eval_samples`` generated ones, beside the same
-distance between real training and real validation images (the floor). With labels it also reports the mean confidence
-of its predictions and the share of the rarest predicted class (mode collapse shows as a class near 0). Each validation
-epoch writes a 10x10 grid of the EMA generator's samples: ``samples_epochNNN.png`` and ``samples.png``.
-
-Callbacks (``conf/recipe/gan.yaml``, then ``conf/callbacks/default.yaml``'s, which every recipe has):
-  * ``EMAWeights(module="generator")`` (``callbacks.ema``, ``copy_correct/lightning/ema_weights.py``): builds the
-    generator's ``EMA`` at ``fit``'s start, shadow tensors of its own, and updates it in place (``_foreach_lerp_``)
-    at the end of each batch, after both steps; ``g_ema`` here is that EMA, swapped in (in place, restored bit for
-    bit) for the quality figures. A checkpoint's generator weights are the average (``GAN.load_from_checkpoint``
-    samples from it), the live ones in the callback's state, copied back in place when a fit resumes.
-  * ``PostHocEMASnapshots(module="generator")`` (``callbacks.posthoc_ema``,
-    ``copy_correct/lightning/posthoc_ema_snapshots.py``): power-function profiles of the generator, tensors of their
-    own updated in place, written to ``checkpoints/power_ema/`` for ``copy-correct posthoc``; the weights only read.
-  * ``IsolatedEvaluation`` (``copy_correct/lightning/isolated_evaluation.py``): each validation's draws from torch's,
-    NumPy's and Python's generators (the validation loader's base seed; the latents here have a generator of their
-    own) are undone when it ends, so the latents and dropout masks after it are not a plain Lightning run's, and do
-    not depend on how often the run validates.
-  * ``ResumeState`` (``copy_correct/lightning/resume.py``, ``resume_data_order.py``): copies of every rank's generator
-    states and a record of the training order (a sampler between the loader and its own, drawing nothing) in every
-    checkpoint, so a resumed run draws the latents and batches of the uninterrupted one.
-  * ``NonFiniteStop`` (``copy_correct/lightning/nonfinite_stop.py``): the step returns no loss, so it reads the weights
-    (never copies them) every 50 batches, before each validation and before each save.
-  * ``ModelCheckpoint`` and ``LastCheckpoint`` (``copy_correct/lightning/last_checkpoint.py``) through
-    ``AtomicCheckpointIO`` (``atomic_checkpoint.py``): each storage streamed once into a file beside the target and
-    renamed over it (the average's too). ``RunSummary``, ``StaleTemporaries``, the progress bar: read only.
+What each callback copies, the quality judge (``recipes/gan_quality.py``) and the figures: ``docs/recipes/gan.md``.
 
 Change first: the data (``data=images data.root=DIR``, its keys in ``conf/data/images.yaml``) and the widths in
 ``conf/recipe/gan.yaml``; then the networks in ``recipes/networks.py``.
@@ -132,13 +106,6 @@ class GAN(pl.LightningModule):
         self._real: torch.Tensor | None = None  # eval_samples real training images in [-1, 1], on the device
         self.fid_floor: float | None = None
 
-    @property
-    def g_ema(self) -> EMA | None:
-        """The generator's EMA: the ``EMAWeights`` callback's (built at ``fit``'s start); ``None`` before, or without
-        that callback."""
-        callbacks = self._trainer.callbacks if self._trainer is not None else []
-        return next((c.ema for c in callbacks if isinstance(c, EMAWeights)), None)
-
     def train(self, mode: bool = True) -> GAN:
         super().train(mode)
         self.judge.eval()  # the judge is trained once, before the GAN, and only evaluates afterwards
@@ -165,21 +132,20 @@ class GAN(pl.LightningModule):
         real, labels = self.trainer.datamodule.eval_images("train", self.hparams.eval_samples)
         # Copy decision: to the device once, here; every validation compares against these same images.
         self._real = real.to(self.device).view(-1, *self.image_shape) * 2 - 1
-        if not self.judge_trained:
-            self.judge.train()
-            target = None if labels is None else labels.to(self.device)
-            self.judge.fit(self._real, target, self.hparams.judge_epochs, self.hparams.seed)
-            self.judge_trained.fill_(True)
+        self._fit_judge_unless_resumed(labels)
         if self.global_rank > 0:
             # Lightning seeds every rank alike: without this each rank would draw the same z and the same dropout
             # masks, and a bigger world would not see more distinct fakes. Rank 0 keeps a single process's stream.
             torch.manual_seed(self.hparams.seed + self.global_rank)
 
+    # -- The training step: G runs once, D steps on fake.detach(), G steps through a frozen D --
+
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         opt_g, opt_d = self.optimizers()
         real = batch[0].view(-1, *self.image_shape) * 2 - 1  # a flat digits batch is viewed as images: no copy
         z = torch.randn(real.shape[0], self.hparams.latent, device=self.device)
-        fake = self.generator(z)  # the only generator forward of this step
+        # Copy decision: the only generator forward of this step; both steps below use its output.
+        fake = self.generator(z)
 
         # Copy decision: D sees fake.detach(): shared storage, no graph, so this backward never enters G.
         d_loss = discriminator_loss(self.discriminator, real, fake.detach())
@@ -193,6 +159,7 @@ class GAN(pl.LightningModule):
             self._backward(g_loss, self._g_grads)
         opt_g.step()
         opt_g.zero_grad(set_to_none=True)  # EMAWeights updates the generator's EMA after this batch
+        # Copy decision: the losses are logged detached: no logged value holds either step's graph.
         self.log_dict({"train/d_loss": d_loss.detach(), "train/g_loss": g_loss.detach()}, prog_bar=True)
 
     def _backward(self, loss: torch.Tensor, averager: GradientAverager | None) -> None:
@@ -208,6 +175,15 @@ class GAN(pl.LightningModule):
         with ddp.no_sync():
             self.manual_backward(loss)
         averager.average()
+
+    # -- Validation: the live and the averaged generator's samples, judged; the grid from the average --
+
+    @property
+    def g_ema(self) -> EMA | None:
+        """The generator's EMA: the ``EMAWeights`` callback's (built at ``fit``'s start); ``None`` before, or without
+        that callback."""
+        callbacks = self._trainer.callbacks if self._trainer is not None else []
+        return next((c.ema for c in callbacks if isinstance(c, EMAWeights)), None)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         """Quality is measured once per validation epoch, in ``on_validation_epoch_end``."""
@@ -225,7 +201,9 @@ class GAN(pl.LightningModule):
             generator=torch.Generator(self.device).manual_seed(self.hparams.seed),
         )  # fmt: skip
         live = self.sample(z)
-        with ema.average_weights():  # in place, the live weights restored bit for bit
+        # Copy decision: the average copied into the generator in place for these samples, the live weights restored
+        # bit for bit after them; nothing the generator writes meanwhile reaches the average.
+        with ema.average_weights():
             averaged = self.sample(z)
         for suffix, samples in (("_ema", averaged), ("", live)):
             if self.judge.num_classes is not None:
@@ -246,13 +224,21 @@ class GAN(pl.LightningModule):
         """The generator's images for ``z``, made ``SAMPLE_CHUNK`` at a time (as the generator is: live or average)."""
         return torch.cat([self.generator(chunk) for chunk in z.split(SAMPLE_CHUNK)])
 
+    # -- Resume: the judge is the module's own part; the averages, generators and data order are the callbacks' --
 
-def _bce(logits: torch.Tensor, target: float) -> torch.Tensor:
-    return F.binary_cross_entropy_with_logits(logits, torch.full_like(logits, target))
+    def _fit_judge_unless_resumed(self, labels: torch.Tensor | None) -> None:
+        """Train the judge on the real images (``labels`` ``None``: as an autoencoder), unless the checkpoint this
+        fit resumed from holds a trained one (``judge_trained``, a buffer): a resumed run keeps the judge it had."""
+        if self.judge_trained:
+            return
+        self.judge.train()
+        target = None if labels is None else labels.to(self.device)
+        self.judge.fit(self._real, target, self.hparams.judge_epochs, self.hparams.seed)
+        self.judge_trained.fill_(True)
 
 
 def discriminator_loss(discriminator: nn.Module, real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
-    """``bce(D(real), 1) + bce(D(fake), 0)``.
+    """``bce(D(real), 1) + bce(D(fake), 0)``, for the training step's discriminator step.
 
     A discriminator with BatchNorm (DCGAN's) gets two forwards, as DCGAN trains it: one forward over ``[real; fake]``
     would normalise each half with statistics of both, so D's output for a real image would depend on the fakes
@@ -262,6 +248,11 @@ def discriminator_loss(discriminator: nn.Module, real: torch.Tensor, fake: torch
     """
     if has_batch_norm(discriminator):
         return _bce(discriminator(real), 1.0) + _bce(discriminator(fake), 0.0)
+    # Copy decision: one copy of the two small batches, for one forward over both.
     logits = discriminator(torch.cat([real, fake]))
     targets = torch.cat([torch.ones(len(real), device=logits.device), torch.zeros(len(fake), device=logits.device)])
     return 2 * F.binary_cross_entropy_with_logits(logits, targets)
+
+
+def _bce(logits: torch.Tensor, target: float) -> torch.Tensor:
+    return F.binary_cross_entropy_with_logits(logits, torch.full_like(logits, target))

@@ -2,35 +2,21 @@
 
     python train.py +recipe=metrics
 
-What it shows:
-  * ``self.log(name, loss)`` is safe: Lightning stores a detached value (unless ``enable_graph=True``).
-  * Metric objects are updated with detached predictions; list-state metrics (``AUROC`` with
-    ``thresholds=None`` keeps every batch it is fed until ``compute()``) would otherwise keep one
-    graph per batch.
-  * ``training_step`` returns only the loss: any other tensor in its output is passed on to every
-    callback undetached.
-  * No ``.item()`` in the step: that would make the CPU wait for the device every batch.
-  * The optimizer is fused AdamW: its step allocates nothing.
-  * ``GraphRetentionCheck`` fails the run the first step any of this goes wrong, naming where the graph is held.
+Copy decisions, in ``training_step``: ``self.log`` stores a detached value; the metric objects are updated with
+``.detach()``ed tensors (shared storage, no graph: a list-state metric such as ``AUROC(thresholds=None)`` keeps every
+batch it is fed, and would keep one graph per batch); the step returns only the loss (any other tensor in its output
+reaches every callback undetached); no ``.item()`` (the host would wait for the device every batch). The optimizer is
+fused AdamW: its step allocates nothing.
 
-Sharded (``trainer=fsdp``): ``configure_model`` shards the network with FSDP2 (``recipes/model_setup.py``); nothing
-else changes.
+Callbacks (``conf/recipe/metrics.yaml``, then ``conf/callbacks/default.yaml``'s; files in ``copy_correct/lightning/``):
+  * ``GraphRetentionCheck``, ``graph_guard.py``: after every training batch, fails the run naming any tensor of the
+    step's outputs, the module or the metric states that holds a graph; it reads only, detaches nothing.
+  * every recipe's: ``IsolatedEvaluation`` (``isolated_evaluation.py``), ``ResumeState`` (``resume.py``),
+    ``NonFiniteStop`` (``nonfinite_stop.py``), ``LastCheckpoint`` (``last_checkpoint.py``) and Lightning's
+    ``ModelCheckpoint`` through ``AtomicCheckpointIO`` (``atomic_checkpoint.py``), ``RunSummary``
+    (``run_summary.py``), ``StaleTemporaries`` (``stale_temporaries.py``), the progress bar (``recipes/progress.py``).
 
-Callbacks (``conf/recipe/metrics.yaml``, then ``conf/callbacks/default.yaml``'s, which every recipe has):
-  * ``GraphRetentionCheck`` (``copy_correct/lightning/graph_guard.py``): after every training batch, searches the
-    step's outputs, the module and the metric states for a tensor holding a graph and fails the run naming it; it
-    reads only, detaches nothing.
-  * ``IsolatedEvaluation`` (``copy_correct/lightning/isolated_evaluation.py``): each validation's draws from torch's,
-    NumPy's and Python's generators (here the validation loader's base seed) are undone when it ends, so the random
-    state training goes on with is not a plain Lightning run's, and does not depend on how often the run validates.
-  * ``ResumeState`` (``copy_correct/lightning/resume.py``, ``resume_data_order.py``): copies of the generators' states
-    and a record of the training loader's order (a sampler put between the loader and its own, drawing nothing) in
-    every checkpoint; a resumed run draws and batches as the uninterrupted one.
-  * ``NonFiniteStop`` (``copy_correct/lightning/nonfinite_stop.py``): each loss copied on its device into a tensor
-    made once; the weights read, never copied, every 50 batches and before each save.
-  * ``ModelCheckpoint`` and ``LastCheckpoint`` (``copy_correct/lightning/last_checkpoint.py``), written by
-    ``AtomicCheckpointIO`` (``atomic_checkpoint.py``): each storage streamed into a file beside the target, renamed
-    over it; no copy of the checkpoint in memory. ``RunSummary``, ``StaleTemporaries``, the progress bar: read only.
+Sharding (``trainer=fsdp``), what each callback copies, the figures and the tests: ``docs/recipes/metrics.md``.
 
 Change first: the network in ``__init__`` and the metrics you need.
 """
@@ -99,6 +85,8 @@ class DigitsClassifier(pl.LightningModule):
             self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay, fused=True
         )
 
+    # -- The training step: every logged value and metric state without a graph --
+
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         logits = self(x)
@@ -111,7 +99,10 @@ class DigitsClassifier(pl.LightningModule):
         # Metric objects are reduced (and synchronised across DDP ranks) once, at epoch end.
         self.log("train/loss_epoch", self.train_loss, on_step=False, on_epoch=True)
         self.log("train/acc", self.train_acc, on_step=False, on_epoch=True)
+        # Copy decision: only the loss goes out; any other tensor returned here would reach every callback undetached.
         return loss
+
+    # -- Validation --
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch

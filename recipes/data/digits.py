@@ -98,12 +98,6 @@ class DigitsDataModule(pl.LightningDataModule):
         images, labels = (self.train_set if split == "train" else self.val_set).tensors
         return images[:limit], labels[:limit]
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"shuffle": self.shuffle.get_state()}
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        self.shuffle.set_state(state_dict["shuffle"])  # in place: a loader made already draws from the restored state
-
     def _loader(self, dataset: TensorDataset, **kwargs: object) -> DataLoader:
         return DataLoader(
             dataset,
@@ -112,3 +106,11 @@ class DigitsDataModule(pl.LightningDataModule):
             persistent_workers=self.num_workers > 0,
             **kwargs,
         )
+
+    # -- Resume: the training order's generator, in the checkpoint --
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"shuffle": self.shuffle.get_state()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self.shuffle.set_state(state_dict["shuffle"])  # in place: a loader made already draws from the restored state

@@ -246,12 +246,6 @@ class ImageFolderDataModule(pl.LightningDataModule):
         """How a batch row is made from an image file, for ``recipes.inference.load_image``: pixels / 255."""
         return {"image_shape": list(self.image_shape), "mean": 0.0, "std": 1.0, "flat": False}
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"shuffle": self.shuffle.get_state()}
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        self.shuffle.set_state(state_dict["shuffle"])  # in place: a loader made already draws from the restored state
-
     def on_after_batch_transfer(self, batch: Batch, dataloader_idx: int) -> Batch:
         # Copy decision: without the prefetcher Lightning has just copied the uint8 batch; make the floats here, on
         # the device. The prefetcher has already handed over the float batch.
@@ -264,6 +258,14 @@ class ImageFolderDataModule(pl.LightningDataModule):
             dataset, self.batch_size, device=device, prefetch=self.prefetch,
             transform=to_unit_float if self.prefetch else None, num_workers=self.num_workers, **kwargs,
         )  # fmt: skip
+
+    # -- Resume: the training order's generator, in the checkpoint --
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"shuffle": self.shuffle.get_state()}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self.shuffle.set_state(state_dict["shuffle"])  # in place: a loader made already draws from the restored state
 
 
 def _read_headers(files: list[str], decode: bool) -> list[Header]:

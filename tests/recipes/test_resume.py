@@ -65,7 +65,9 @@ MUST_HOLD = {
 }
 ALWAYS = ["state_dict", "optimizer_states/0/state", "callbacks/ResumeState/rng/0/torch", "loops"]
 KILLED = {"ema": ["callbacks.last_checkpoint.train_time_interval=0"]}  # overrides of the killed run alone
-STEPS = {"ema": 4 * 90, "dqn": 7 * 16, "gan": 4 * 23 * 2, "atari": 120}  # optimizer steps at the last checkpoint
+# Optimizer steps in last.ckpt, written at fit's end (atari: one per round of 4 environment steps, from the 25th of
+# the 150, when the replay holds learning_starts=100 transitions).
+STEPS = {"ema": 4 * 90, "dqn": 7 * 16, "gan": 4 * 23 * 2, "atari": 150 - 24}
 WITHHELD = {  # the control: resuming without these leaves the run elsewhere
     # the shuffle generator, kept by the data module and by ResumeState: epochs would repeat the first orders
     "ema": [(DigitsDataModule, "load_state_dict"), (TrainDataOrder, "on_train_start")],
