@@ -105,6 +105,7 @@ def gan_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, dict]
     return cwd, rank0, rank1
 
 
+@pytest.mark.long  # the gan recipe under DDP: the metrics recipe's DDP run stays in the default suite
 def test_gan_trains_under_ddp_with_identical_networks_and_generator_ema(gan_run: tuple[Path, dict, dict]) -> None:
     cwd, rank0, rank1 = gan_run
     run = assert_one_run_directory(cwd, "gan", "power_ema")

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.conftest import ROOT, child_env, free_port
+
+pytestmark = pytest.mark.long  # Lightning fits in 2 processes (DDP over gloo): CI runs them (pytest -m long)
 
 
 def _ddp_indices(out: Path, *args: str) -> tuple[list[int], list[int]]:

@@ -14,6 +14,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from tests.conftest import run_rank_script
 
+pytestmark = pytest.mark.long  # Lightning fits in 2 processes (FSDP2 over gloo): CI runs them (pytest -m long)
+
 KEY = "EMAWeights{'decay': 0.9}"
 
 

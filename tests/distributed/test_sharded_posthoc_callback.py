@@ -24,6 +24,8 @@ from copy_correct.averages.posthoc import load_snapshot, snapshot_paths
 from copy_correct.averages.posthoc_command import join_shards, posthoc
 from tests.conftest import ROOT, child_env, run_rank_script
 
+pytestmark = pytest.mark.long  # Lightning fits in 2 processes (FSDP2 over gloo): CI runs them (pytest -m long)
+
 STEPS = 16  # 4 epochs of 4 optimizer steps
 FINAL_STEPS = 12  # the runs ending off their schedule: 3 epochs, a snapshot every 5 steps (5, 10; final 12)
 

@@ -49,6 +49,7 @@ def killed_run(strategy: str, point: str, out: Path, device: str = "cpu") -> Pat
     return out / "last.ckpt"
 
 
+@pytest.mark.long  # each a Lightning fit in 2 processes, killed and read back
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("point", ["shards", "meta"])
 def test_a_run_killed_while_rewriting_a_directory_leaves_the_previous_checkpoint_whole(
@@ -60,6 +61,7 @@ def test_a_run_killed_while_rewriting_a_directory_leaves_the_previous_checkpoint
     assert not (hidden / "meta.pt").exists()
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("point", ["shards", "meta"])
 def test_control_lightnings_strategy_killed_there_leaves_new_weights_under_old_counters(
     point: str, tmp_path: Path

@@ -405,6 +405,7 @@ def _ddp_shadows(out: Path, *args: str) -> tuple[dict, dict]:
     return torch.load(out / "rank0.pt", weights_only=True), torch.load(out / "rank1.pt", weights_only=True)
 
 
+@pytest.mark.long  # a Lightning fit in 2 processes (gloo)
 def test_ddp_two_cpu_processes_keep_identical_shadows(tmp_path: Path) -> None:
     rank0, rank1 = _ddp_shadows(tmp_path)
     assert rank0.keys() == rank1.keys() and len(rank0) == 9

@@ -176,6 +176,7 @@ def test_a_path_the_module_lacks_fails_at_setup_in_one_line_naming_it(stage: str
     assert ("setup", "lightning") in raised_in and t.global_step == 0  # in the callback's setup, before any step
 
 
+@pytest.mark.long  # Lightning fits in 2 processes (FSDP2 over gloo)
 def test_sharded_checkpoints_hold_the_generators_average_under_its_names_and_resume_bit_for_bit(
     tmp_path: Path,
 ) -> None:

@@ -305,6 +305,7 @@ def test_the_callback_refuses_a_bad_power_ema_argument_in_its_words_without_buil
     assert str(by_callback.value) == str(by_power_ema.value)
 
 
+@pytest.mark.long  # a Lightning fit in 2 processes (gloo)
 def test_under_ddp_rank_zero_alone_writes_the_snapshots(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "workers" / "ddp_posthoc_ema.py"), str(tmp_path)],

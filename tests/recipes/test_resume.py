@@ -120,9 +120,12 @@ def load(path: Path) -> dict[str, Any]:
 NEEDS_ALE = pytest.mark.skipif(importlib.util.find_spec("ale_py") is None, reason="the atari extra (ale-py)")
 
 
-@pytest.mark.parametrize(
-    "recipe", [r if r != "atari" else pytest.param(r, marks=[pytest.mark.slow, NEEDS_ALE]) for r in RUNS]
-)
+# dqn's in the default suite (three runs of two Lightning processes at once, 15-20 s each on 2 cores); ema's (killed by
+# time) and gan's in CI's long runs; atari's with the slow ones.
+MARKS = {"dqn": (), "atari": [pytest.mark.slow, NEEDS_ALE]}
+
+
+@pytest.mark.parametrize("recipe", [pytest.param(r, marks=MARKS.get(r, pytest.mark.long)) for r in RUNS])
 def test_killed_run_resumed_from_its_directory_ends_bit_for_bit_as_the_uninterrupted_one(
     recipe: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -37,6 +37,7 @@ PEERS = {  # the rows each benchmark has for a peer library: (import name, row t
 NEEDS_ALE = pytest.mark.skipif(importlib.util.find_spec("ale_py") is None, reason="the atari extra (ale-py)")
 
 
+@pytest.mark.long  # each a benchmark's quick run in a process of its own, 5-15 s
 @pytest.mark.parametrize(("module", "key", "first_row", "ratio"), [
     ("benchmarks.ema", "ema-cpu", "| copy_correct.EMA.update, skip_nonfinite=False |", "time / ours"),
     ("benchmarks.posthoc_ema", "posthoc-ema-cpu", "| copy_correct.PowerEMA.update, skip_nonfinite=False |",

@@ -68,14 +68,14 @@ def docstring_paragraph(recipe: str, prefix: str) -> str:
 FAST = "not default_run and not ddp and not two_processes and not writer_killed"
 
 
-# One starter's suite in the default suite (each costs half a minute of test processes on 2 cores); the others are
+# One starter's suite in CI's long runs (each costs one to two minutes of test processes on 2 cores); the others are
 # marked slow. The generator and the import discovery are the same for every recipe, and every starter's layout is
-# checked by the fast test after this one.
-IN_DEFAULT_SUITE = "ema"
+# checked by the default suite's test after this one.
+IN_CI = "ema"
 
 
 @pytest.mark.parametrize(
-    "recipe", [r if r == IN_DEFAULT_SUITE else pytest.param(r, marks=pytest.mark.slow) for r in RECIPES]
+    "recipe", [pytest.param(r, marks=pytest.mark.long if r == IN_CI else pytest.mark.slow) for r in RECIPES]
 )
 def test_starter_suite_passes_importing_only_its_own_code(recipe: str, tmp_path: Path) -> None:
     dest = generate(recipe, tmp_path / f"my-{recipe}")
@@ -191,6 +191,7 @@ def test_the_posthoc_command_comes_with_the_callback_installed_as_ours_is(tmp_pa
     assert usage.startswith("usage: copy-correct posthoc")
 
 
+@pytest.mark.long  # a training run of the generated starter
 def test_a_gan_starter_trains_on_a_folder_of_64x64_rgb_images_with_no_code_edits(tmp_path: Path) -> None:
     """The starter as generated, a folder of unlabelled 64x64 RGB PNG files, and the command its README gives (plus
     a short run's sizes): the images are decoded by the data module's workers, DCGAN's networks take them, and the
@@ -229,7 +230,9 @@ def make_default_a_grey_folder(dest: Path, recipe: str, root: Path) -> None:
     data_conf.write_text(text)
 
 
-@pytest.mark.parametrize("recipe", ["gan", pytest.param("ema", marks=pytest.mark.slow)])  # each about 10 s
+@pytest.mark.parametrize(
+    "recipe", [pytest.param("gan", marks=pytest.mark.long), pytest.param("ema", marks=pytest.mark.slow)]
+)  # each about 10 s
 def test_a_starter_whose_default_is_a_grey_folder_passes_its_own_images_cases(recipe: str, tmp_path: Path) -> None:
     """The own-images cases compose the project's config as its owner has it, so they write grey test images where
     the default data is grey, and pass. (Before, they wrote RGB images and inherited ``channels: 1``: ema failed 1

@@ -24,10 +24,10 @@ them (the H200 run of 2026-12-04 with ``--budget 2`` took over 545 s and was sto
 
 The claims the manual makes for a GPU (``docs/guides/testing.md``, "What a GPU run must show") are checked against
 what the run measured (``CLAIMS``); the report says which hold. Exit status 1 when a test, a benchmark, a recipe run
-or a claim fails. ``--suite`` runs the default suite (``pytest -m "not slow"``) instead, as a user with a GPU would:
-a separate call, because it takes minutes. ``--dry-run`` runs the steps on the CPU with small sizes (``-m gpu`` then
-skips everything, and the claims are reported but not enforced: CPU figures say nothing about a GPU): it checks the
-script.
+or a claim fails. ``--suite`` runs the default suite and the long runs (``pytest -m "not slow"``) instead, as a user
+with a GPU would: a separate call, because it takes minutes. ``--dry-run`` runs the steps on the CPU with small
+sizes (``-m gpu`` then skips everything, and the claims are reported but not enforced: CPU figures say nothing about a
+GPU): it checks the script.
 """
 
 from __future__ import annotations
@@ -213,7 +213,9 @@ def suite(args: argparse.Namespace, device: torch.device) -> int:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="rehearse on the CPU with small sizes")
-    parser.add_argument("--suite", action="store_true", help='run the default suite (-m "not slow") instead')
+    parser.add_argument(
+        "--suite", action="store_true", help='run the default suite and the long runs (-m "not slow") instead'
+    )
     parser.add_argument("--budget", type=float, default=None, help="seconds of timing per benchmark configuration")
     parser.add_argument("--output", type=Path, default=None, help="default: docs/gpu-results.md (--suite: gpu-suite)")
     parser.add_argument(

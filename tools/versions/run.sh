@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The supported range, tested (the README's "Versions"): for each end of it, a fresh virtual environment installs
 # the package with that torch, Lightning and torchmetrics, and runs the tests of the tensor parts, the probes, the
-# Lightning adapters and the copy atlas (the recipes' end-to-end runs are the default suite's, on the README's torch).
+# Lightning adapters and the copy atlas, their long runs too (the recipes' end-to-end runs are the default suite's
+# and CI's long runs, on the README's torch).
 #
 #   bash tools/versions/run.sh                      # the floors, then the newest releases pip is served
 #   bash tools/versions/run.sh "torch==2.9.1"       # any other set of requirements, one argument an environment
@@ -30,7 +31,7 @@ for i in "${!ends[@]}"; do
   versions=$("$venv/bin/python" -c 'import lightning, numpy, torch, torchmetrics as m
 print(f"torch {torch.__version__}, lightning {lightning.__version__}, torchmetrics {m.__version__}, numpy {numpy.__version__}")')
   echo "versions: ${versions}"
-  "$venv/bin/python" -m pytest -p no:cacheprovider tests/parts tests/probes tests/lightning tests/atlas
+  "$venv/bin/python" -m pytest -p no:cacheprovider -m "not slow" tests/parts tests/probes tests/lightning tests/atlas
   echo "versions: passed on ${versions}"
   rm -rf "$venv"
 done
