@@ -58,6 +58,8 @@ class Batch:
     reward: torch.Tensor
     next_obs: torch.Tensor
     terminated: torch.Tensor
+    indices: torch.Tensor | None = None  # a prioritized buffer's rows drawn, and their importance weights
+    weights: torch.Tensor | None = None
 
 
 @dataclass
@@ -67,6 +69,7 @@ class Feed:
     add: Callable[[int], object]
     sample: Callable[[], Batch]
     close: Callable[[], object] = lambda: None
+    update: Callable[[torch.Tensor, torch.Tensor], object] = lambda indices, priorities: None
 
 
 def sb3(rec: Recording, capacity: int, device: torch.device) -> Feed | Missing:
@@ -102,15 +105,17 @@ def ours(rec: Recording, capacity: int, device: torch.device, ahead: bool, **opt
     generator = torch.Generator().manual_seed(0)
     if ahead:
         wrapper = SampleAhead(buffer, BATCH, generator=generator, device=device)
-        add, draw, close = wrapper.add, wrapper.sample, wrapper.close
+        add, draw, close, update = wrapper.add, wrapper.sample, wrapper.close, wrapper.update_priorities
     else:
         add, draw, close = buffer.add, partial(buffer.sample, BATCH, generator, device=device), lambda: None
+        update = buffer.update_priorities
 
     def sample() -> Batch:
         data = draw()
-        return Batch(data["obs"], data["action"], data["reward"], data["next_obs"], data["terminated"])
+        return Batch(data["obs"], data["action"], data["reward"], data["next_obs"], data["terminated"],
+                     data.get("indices"), data.get("weights"))  # fmt: skip
 
-    return Feed(lambda i: add(*steps[i]), sample, close)
+    return Feed(lambda i: add(*steps[i]), sample, close, update)
 
 
 OURS = "copy_correct.FrameReplayBuffer"
@@ -120,6 +125,10 @@ CONTENDERS: dict[str, tuple[str, Callable[..., Feed | Missing]]] = {  # a compre
     "frames-ahead": (f"{OURS} + SampleAhead", partial(ours, ahead=True)),
     "zstd": (f'{OURS}(compress="zstd")', partial(ours, ahead=False, compress="zstd")),
     "zstd-ahead": (f'{OURS}(compress="zstd") + SampleAhead', partial(ours, ahead=True, compress="zstd")),
+    "zstd-prioritized-ahead": (
+        f'{OURS}(compress="zstd", prioritized=True) + SampleAhead',
+        partial(ours, ahead=True, compress="zstd", prioritized=True),
+    ),
 }
 
 
@@ -164,7 +173,11 @@ class Loop:
             target_max = self.target(data.next_obs).max(dim=1).values
             td_target = data.reward + GAMMA * target_max * (1 - data.terminated.float())
         old_val = self.q(data.obs).gather(1, data.action.long().unsqueeze(1)).squeeze(1)
-        loss = F.mse_loss(td_target, old_val)
+        if data.weights is None:
+            loss = F.mse_loss(td_target, old_val)
+        else:  # prioritized: the squared errors weighted, and the drawn rows' priorities their |TD error|
+            loss = (data.weights * (td_target - old_val) ** 2).mean()
+            self.feed.update(data.indices, (td_target - old_val).detach().abs() + 1e-6)
         self.optimizer.zero_grad()
         loss.backward()
         self.optimizer.step()

@@ -296,6 +296,10 @@ ALLOWED: dict[str, Rule] = {
     "model.eval_every": Whole(1),
     "model.eval_episodes": Whole(1),
     "model.max_grad_norm": Real("(0, inf)", null="no clipping"),
+    "model.prioritized": Flag(),
+    "model.alpha": Real("[0, inf)"),
+    "model.beta": Real("[0, 1]"),
+    "model.priority_eps": Real("(0, inf)"),
 }
 
 

@@ -3,6 +3,7 @@
     python train.py +recipe=dqn                          # CartPole-v1, a hard target update every 128 updates
     python train.py +recipe=dqn model.tau=0.005 model.target_update_every=1     # soft (Polyak) updates
     python train.py +recipe=dqn env.id=Acrobot-v1        # any environment with Discrete actions and Box observations
+    python train.py +recipe=dqn model.prioritized=true   # transitions drawn by |TD error|, the loss weighted
     python train.py +recipe=dqn +dqn=atari trainer=gpu   # Breakout as CleanRL's dqn_atari.py plays it (atari extra)
 
 Copy contract, each marked ``# Copy decision:`` where the code makes it:
@@ -155,6 +156,10 @@ class DQN(pl.LightningModule):
         lr: float = 2.3e-3,
         gamma: float = 0.99,
         n_steps: int = 1,
+        prioritized: bool = False,
+        alpha: float = 0.6,
+        beta: float = 0.4,
+        priority_eps: float = 1e-6,
         batch_size: int = 64,
         buffer_size: int = 100_000,
         learning_starts: int = 1_000,
@@ -177,6 +182,9 @@ class DQN(pl.LightningModule):
         check_args([
             ("gamma", gamma, 0.0 <= gamma <= 1.0, "in [0, 1]"),
             ("tau", tau, 0.0 < tau <= 1.0, "in (0, 1]"),
+            ("alpha", alpha, 0.0 <= alpha < math.inf, ">= 0"),
+            ("beta", beta, 0.0 <= beta <= 1.0, "in [0, 1]"),
+            ("priority_eps", priority_eps, 0.0 < priority_eps < math.inf, "> 0"),
             ("lr", lr, lr > 0.0, "> 0"),
             ("exploration_fraction", exploration_fraction, 0.0 < exploration_fraction <= 1.0, "in (0, 1]"),
             ("exploration_final_eps", exploration_final_eps, 0.0 <= exploration_final_eps <= 1.0, "in [0, 1]"),
@@ -214,12 +222,13 @@ class DQN(pl.LightningModule):
                 f"model.replay=frames), and {env_id}'s observations go into a ReplayBuffer"
             )
         codec = {} if compress is None else {"compress": compress}
+        priorities = {"prioritized": True, "alpha": alpha} if prioritized else {}
         # Copy decision: each frame once (FrameReplayBuffer); the stacks are rebuilt by the sample, not stored 8 times
         # over. A buffer this machine cannot hold is refused naming model.buffer_size and the bytes.
         what = f"model.buffer_size={buffer_size} (a {kind.__name__} of {env_id})"
         self.buffer: ReplayBuffer | FrameReplayBuffer = allocated(
             # n-step windows are read from the one-step rows at sample time: nothing more is stored
-            lambda: kind(buffer_size, observations, actions, n_steps=n_steps, gamma=gamma, **codec),
+            lambda: kind(buffer_size, observations, actions, n_steps=n_steps, gamma=gamma, **codec, **priorities),
             what,
             "model.buffer_size",
         )
@@ -276,7 +285,7 @@ class DQN(pl.LightningModule):
             optimizer = self.optimizers()
             for _ in range(h.gradient_steps):
                 # Copy decision: sample gathers the batch into new memory; later adds cannot change it.
-                batch = self.buffer.sample(h.batch_size, generator=self.sampler)
+                batch = self.buffer.sample(h.batch_size, generator=self.sampler, **self.beta())
                 batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
                 with torch.no_grad():  # Copy decision: no graph through the target, so nothing of it is kept
                     next_value = self.target(batch["next_obs"]).max(dim=1).values
@@ -284,7 +293,12 @@ class DQN(pl.LightningModule):
                     # rewards (discounts: gamma with n_steps=1)
                     td_target = batch["reward"] + batch["discounts"] * (~batch["terminated"]).float() * next_value
                 value = self.q(batch["obs"]).gather(1, batch["action"].unsqueeze(1)).squeeze(1)
-                loss = F.smooth_l1_loss(value, td_target)
+                if h.prioritized:  # each transition's loss weighted, and its priority its |TD error|
+                    loss = (batch["weights"] * F.smooth_l1_loss(value, td_target, reduction="none")).mean()
+                    # Copy decision: detached, so the buffer's copy of the priorities holds no graph
+                    self.buffer.update_priorities(batch["indices"], (value - td_target).detach().abs() + h.priority_eps)
+                else:
+                    loss = F.smooth_l1_loss(value, td_target)
                 optimizer.zero_grad(set_to_none=True)
                 self.manual_backward(loss)
                 if h.max_grad_norm is not None:
@@ -311,6 +325,14 @@ class DQN(pl.LightningModule):
         h = self.hparams
         progress = min(1.0, self.env_steps / max(1.0, h.exploration_fraction * h.total_env_steps))
         return 1.0 + progress * (h.exploration_final_eps - 1.0)
+
+    def beta(self) -> dict[str, float]:
+        """``sample``'s ``beta`` for a prioritized buffer (none for a uniform one): from ``model.beta`` up to 1,
+        linearly over ``total_env_steps``, as the paper anneals it."""
+        h = self.hparams
+        if not h.prioritized:
+            return {}
+        return {"beta": h.beta + (1.0 - h.beta) * min(1.0, self.env_steps / h.total_env_steps)}
 
     def greedy_action(self, obs: np.ndarray) -> int:
         """The action of the largest Q-value; draws nothing."""

@@ -4,7 +4,8 @@
   (``frame_buffer``): each Atari frame stored once per env stream, stacks rebuilt at sample, optionally compressed
   (``frame_store``, ``frame_codec``).
 * What both share: one base (``base``: ``add``'s dispatch to its path, ``sample`` from its checks to the batch on its
-  device, the one method that draws a batch's rows, the copy refusal), the fields, dtypes and the one value check
+  device, the one method that draws a batch's rows, uniformly or by priority (``priorities``: ``prioritized=True``,
+  OpenAI baselines' definitions), the copy refusal), the fields, dtypes and the one value check
   (``fields``, ``values``), vector envs' autoreset modes (``autoreset``), n-step windows (``n_step``) and the gather
   into new, or pinned, host memory (``host_batch``). Each keeps ``add``'s paths, chosen once per mode (``writes``,
   ``frame_writes``).

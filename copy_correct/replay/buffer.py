@@ -28,7 +28,7 @@ Copy contract:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -41,6 +41,7 @@ from copy_correct.replay.autoreset import parse_mode
 from copy_correct.replay.base import ReplayBase
 from copy_correct.replay.fields import DTypeLike, Space, check_settings, layout
 from copy_correct.replay.host_batch import held, taken
+from copy_correct.replay.priorities import Priorities
 from copy_correct.replay.writes import EnvRows, add_for, storage
 
 __all__ = ["ReplayBuffer"]
@@ -76,6 +77,9 @@ class ReplayBuffer(ReplayBase):
             stored transitions as they are. More needs the storage on the CPU and ``gamma``.
         gamma: the agent's discount; given, a batch holds ``discounts``, ``gamma**m`` for the ``m`` transitions
             summed (the bootstrap factor; ``gamma`` with ``n_steps=1``).
+        prioritized: ``True``: rows drawn by priority (``sample``'s ``beta``, ``update_priorities``;
+            ``copy_correct.replay.priorities``), about 16 bytes a row more; ``False`` (the default): uniformly.
+        alpha: how much the priorities count, ``P(i) ~ p_i^alpha`` (0: uniform); baselines' default, 0.6.
 
     Attributes:
         obs, action, reward, next_obs, terminated, truncated: the storage, ``capacity`` rows each, views of one
@@ -101,8 +105,10 @@ class ReplayBuffer(ReplayBase):
         device: str | torch.device = "cpu",
         n_steps: int = 1,
         gamma: float | None = None,
+        prioritized: bool = False,
+        alpha: float = 0.6,
     ) -> None:
-        super().__init__(capacity, num_envs, n_steps, gamma)
+        super().__init__(capacity, num_envs, n_steps, gamma, prioritized, alpha)
         if capacity < max(1, num_envs or 1):
             raise ValueError(f"capacity must be >= 1 and >= num_envs, got {capacity}")
         self.autoreset_mode = parse_mode(autoreset_mode, num_envs)
@@ -146,6 +152,29 @@ class ReplayBuffer(ReplayBase):
         self._add = add_for(self)  # every add's path (writes), chosen once, linked for n_steps where it must be
         self.pos = 0
         self.size = 0
+        self._prioritize(capacity)
+        if self._priorities is not None:
+            self.nbytes += self._priorities.nbytes
+
+    def _with_priorities(self, add: Callable[..., None], priorities: Priorities) -> Callable[..., None]:
+        """``add``, then the rows it wrote given the largest priority so far: the next (one env), or the next of
+        each env whose row is not a reset step left out."""
+        capacity, envs = self.capacity, self.num_envs
+
+        def add_one(buffer: Any, *fields: Any) -> None:
+            pos = buffer.pos
+            add(buffer, *fields)
+            priorities.set_new(pos)
+
+        def add_rows(buffer: Any, *fields: Any) -> None:
+            pos, written = buffer.pos, envs - int(buffer._ended.sum()) if buffer._skip else envs
+            add(buffer, *fields)
+            priorities.set_new((pos + np.arange(written)) % capacity)
+
+        return add_one if envs is None else add_rows
+
+    def _row_written(self, rows: np.ndarray) -> np.ndarray:
+        return rows < self.size
 
     def __len__(self) -> int:
         return self.size
@@ -219,7 +248,7 @@ class ReplayBuffer(ReplayBase):
         return {
             "capacity": self.capacity, "num_envs": self.num_envs, "pos": self.pos, "size": self.size,
             "autoreset_mode": self.autoreset_mode, "ended": torch.from_numpy(self._ended), **fields,
-        }  # fmt: skip
+        } | self._priority_state()  # fmt: skip
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Copy a saved buffer into this one's storage (copies: nothing shared with the state); its capacity,
@@ -250,6 +279,7 @@ class ReplayBuffer(ReplayBase):
                     f"saved {name} is {tuple(saved.shape)} {saved.dtype}, expected {expected} {into.dtype}"
                 )
         links = self._checked_links(state, size)
+        self._check_priority_state(state)
         with torch.no_grad():
             for name in FIELDS:
                 getattr(self, name)[:size].copy_(state[name])
@@ -260,6 +290,7 @@ class ReplayBuffer(ReplayBase):
         self._ended[:] = ended.cpu().numpy()
         self._skip = bool(self._ended.any())
         self.size, self.pos = size, pos
+        self._load_priorities(state)
 
     def _checked_links(self, state: Mapping[str, Any], size: int) -> tuple[np.ndarray, np.ndarray] | None:
         """The saved links of the rows (``writes.linked``) as numpy arrays, checked, if this buffer keeps them."""

@@ -31,7 +31,7 @@ Copy contract (``ReplayBuffer``'s, on the host):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -45,6 +45,7 @@ from copy_correct.replay.frame_codec import codec
 from copy_correct.replay.frame_store import CompressedFrames
 from copy_correct.replay.frame_writes import add_for
 from copy_correct.replay.host_batch import held, taken
+from copy_correct.replay.priorities import Priorities
 
 __all__ = ["AUTORESET_MODES", "FrameReplayBuffer"]
 
@@ -75,6 +76,9 @@ class FrameReplayBuffer(ReplayBase):
             each frame compressed once (by the next ``sample``, ``state_dict``, or every 64th ``add``: with
             ``SampleAhead``, on its thread), decompressed at ``sample``; the batches are the same, bit for bit.
             Needs the ``compress`` extra (``pip install "copy-correct[compress]"``).
+        prioritized, alpha: draw transitions by priority, as ``ReplayBuffer``'s: a priority per slot of every stream
+            (about 16 bytes a frame), none for a slot that starts no transition that can be drawn (an episode's last
+            frame, a reset step left out, a stack whose first frames the ring overwrote), so it is never drawn.
 
     Attributes:
         stack, frame_shape: the frames per observation and the shape of one frame.
@@ -99,8 +103,10 @@ class FrameReplayBuffer(ReplayBase):
         n_steps: int = 1,
         gamma: float | None = None,
         compress: str | None = None,
+        prioritized: bool = False,
+        alpha: float = 0.6,
     ) -> None:
-        super().__init__(capacity, num_envs, n_steps, gamma)
+        super().__init__(capacity, num_envs, n_steps, gamma, prioritized, alpha)
         self.autoreset_mode = parse_mode(autoreset_mode, num_envs)
         if padding not in PADDINGS:
             raise ValueError(f"padding must be one of {', '.join(PADDINGS)}, got {padding!r}")
@@ -168,6 +174,38 @@ class FrameReplayBuffer(ReplayBase):
         self._action_range = (int(np.iinfo(action_np).min), int(np.iinfo(action_np).max)) if integer else None
         self._fixed_nbytes = sum(a.nbytes for a in self._arrays().values())
         self._add = add_for(self)  # every add's path (frame_writes), chosen once
+        self._prioritize(envs * self._length)
+        if self._priorities is not None:
+            self._fixed_nbytes += self._priorities.nbytes
+
+    def _with_priorities(self, add: Callable[..., None], priorities: Priorities) -> Callable[..., None]:
+        """``add``, then the priorities of the slots whose transitions it changed: of each stream, the slots of the
+        positions it wrote and the one before (a new transition starts at its ``obs``'s newest frame: the largest
+        priority so far, where it can be drawn; an overwritten one, none) and those at the ring's oldest end whose
+        stacks may have lost their first frames (none, where they cannot be drawn now)."""
+        length, envs = self._length, self._envs[:, None]
+        touched = np.arange(-1, 2)  # an add writes at most two frames of a stream: its obs's and its next_obs's
+        edge = np.arange(self.stack + 2) - length  # the oldest positions, before and after
+
+        def add_tracked(buffer: Any, *fields: Any) -> None:
+            before = buffer._written.copy()
+            add(buffer, *fields)
+            after = buffer._written[:, None]
+            at = before[:, None] + touched
+            new = (at >= 0) & (at < after)
+            oldest = before[:, None] + edge
+            old = (oldest >= 0) & (oldest < after - length + self.stack)
+            rows = np.concatenate([(envs * length + at % length)[new], (envs * length + oldest % length)[old]])
+            drawable = buffer._drawable(rows)
+            fresh = drawable[: int(new.sum())]
+            priorities.set_new(rows[: len(fresh)][fresh])
+            priorities.clear(rows[~drawable])
+
+        return add_tracked
+
+    def _row_written(self, rows: np.ndarray) -> np.ndarray:
+        envs, slots = np.divmod(rows, self._length)
+        return slots < self._written[envs]
 
     def _arrays(self) -> dict[str, np.ndarray]:
         """The arrays of storage of fixed shape (compressed frames: ``_store``'s, apart)."""
@@ -285,11 +323,15 @@ class FrameReplayBuffer(ReplayBase):
         """The rings and the streams' positions, as tensors sharing the buffer's memory (not copied); compressed
         frames as their bytes (copied, not decompressed), oldest first, and each slot's size."""
         compressed = {} if self._store is None else self._store.state(self._written)
-        return {name: torch.from_numpy(array) for name, array in (self._arrays() | compressed).items()} | {
-            "autoreset_mode": self.autoreset_mode,
-            "padding": self.padding,
-            "compress": self.compress,
-        }
+        return (
+            {name: torch.from_numpy(array) for name, array in (self._arrays() | compressed).items()}
+            | {
+                "autoreset_mode": self.autoreset_mode,
+                "padding": self.padding,
+                "compress": self.compress,
+            }
+            | self._priority_state()
+        )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Copy a saved buffer into this one's storage; its shapes, dtypes, mode, padding and codec must be this
@@ -313,12 +355,14 @@ class FrameReplayBuffer(ReplayBase):
                 )
         if self._store is not None:
             self._store.check({k: state[k].numpy() for k in ("frame_bytes", "frame_size")}, state["written"].numpy())
+        self._check_priority_state(state)
         for name, into in arrays.items():
             into[...] = state[name].numpy()
         if self._store is not None:
             self._store.load({k: state[k].numpy() for k in ("frame_bytes", "frame_size")}, self._written)
         self._stored = int(self._valid.sum())
         self._at_boundary = bool(self._ended.any()) or bool((self._current < 0).any())
+        self._load_priorities(state)
 
 
 def _check_stacked(shape: tuple[int, ...]) -> None:

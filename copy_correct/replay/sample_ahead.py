@@ -12,6 +12,11 @@ draws are ``buffer.sample(batch_size, generator, device=)`` calls, one at a time
 synchronous calls at those points. ``state_dict()`` holds the batch in flight: loaded with the buffer's state (taken
 after it, before an ``add``), a resumed run draws the uninterrupted one's batches (the saved one misses later adds).
 
+A prioritized buffer's priorities are one sample stale the same way: ``update_priorities`` waits for the draw in
+flight, so the priorities set from batch ``k`` (between calls ``k`` and ``k + 1``) are seen from batch ``k + 2`` on;
+batch ``k + 1`` was drawn before them. ``sample(beta=...)`` is the ``beta`` of the draw that call starts (at the first
+call, of batch 0's too). A batch's ``weights`` are those of the priorities it was drawn from.
+
 Copy contract:
 
 * New storage: each batch, as ``buffer.sample`` makes it (new memory; nothing shared with the buffer, so training
@@ -53,6 +58,8 @@ class Buffer(Protocol):
 
     def sample(self, batch_size: int, generator: torch.Generator | None = None, *, device: Any = ...) -> Any: ...
 
+    def update_priorities(self, indices: Any, priorities: Any) -> None: ...
+
 
 class SampleAhead:
     """Batches of ``buffer`` drawn one call ahead on a background thread (module docstring: which state each is from).
@@ -80,22 +87,31 @@ class SampleAhead:
         self._pending: Future[Any] | None = None
         self._closed = False  # garbage collected, the pool ends its thread itself (it holds only a weak reference)
 
-    def _draw(self) -> Future[Any]:
-        return self._pool.submit(self.buffer.sample, self.batch_size, self.generator, **self._options)
+    def _draw(self, beta: float | None) -> Future[Any]:
+        options = self._options if beta is None else self._options | {"beta": beta}
+        return self._pool.submit(self.buffer.sample, self.batch_size, self.generator, **options)
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this SampleAhead is closed: sample and add on its buffer directly, or make another")
 
-    def sample(self) -> Any:
+    def sample(self, beta: float | None = None) -> Any:
         """Batch ``k`` at call ``k`` (drawn at call ``k - 1``; at the first call, now), the draw of batch ``k + 1``
-        started before it returns. A draw's error is raised here, and the next call draws anew, as the first."""
+        started before it returns, with ``beta`` for a prioritized buffer (``None``: the buffer's default). A draw's
+        error is raised here, and the next call draws anew, as the first."""
         self._check_open()
-        pending = self._pending if self._pending is not None else self._draw()
+        pending = self._pending if self._pending is not None else self._draw(beta)
         self._pending = None
         batch = pending.result()
-        self._pending = self._draw()
+        self._pending = self._draw(beta)
         return batch
+
+    def update_priorities(self, indices: Any, priorities: Any) -> None:
+        """``buffer.update_priorities(indices, priorities)``, once the draw in flight is done: it is drawn from the
+        priorities before these (module docstring)."""
+        self._check_open()
+        self.wait()
+        self.buffer.update_priorities(indices, priorities)
 
     def add(self, *args: Any, **kwargs: Any) -> None:
         """``buffer.add(*args, **kwargs)``, once the draw in flight (if any) is done: the buffer is never written

@@ -73,9 +73,9 @@ def fit_one_update(
         sampled.update(sample(*args, **kwargs))
         return sampled
 
-    def loss_spy(value: torch.Tensor, td_target: torch.Tensor) -> torch.Tensor:
-        given.update(value=value, td_target=td_target)
-        return loss(value, td_target)
+    def loss_spy(value: torch.Tensor, td_target: torch.Tensor, **options: Any) -> torch.Tensor:
+        given.update(value=value, td_target=td_target, **options)
+        return loss(value, td_target, **options)
 
     monkeypatch.setattr(model.buffer, "sample", sample_spy)
     monkeypatch.setattr(F, "smooth_l1_loss", loss_spy)
@@ -114,6 +114,21 @@ def test_n_step_returns_bootstrap_by_the_batchs_discounts_not_by_gamma(
     assert torch.equal(given["td_target"], batch["reward"] + batch["discounts"] * alive * next_value)
     control = batch["reward"] + 0.99 * alive * next_value  # one step's bootstrap
     assert not torch.allclose(given["td_target"], control)
+
+
+def test_prioritized_replay_weights_the_loss_and_gives_the_drawn_rows_their_td_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model, batch, given = fit_one_update(tmp_path, monkeypatch, "model.prioritized=true", "model.priority_eps=0.001")
+    tree = model.buffer._priorities
+    assert given["reduction"] == "none" and batch["weights"].shape == (256,)  # each transition's loss, then weighted
+    errors = (given["value"] - given["td_target"]).detach().abs() + 0.001
+    last = dict(zip(batch["indices"].tolist(), errors.tolist(), strict=True))  # a row drawn twice keeps its last
+    assert np.allclose([tree._leaves[row] for row in last], [error**0.6 for error in last.values()])
+    untouched = np.setdiff1d(np.arange(512), list(last))
+    assert np.all(tree._leaves[untouched] == 1.0)  # the rows not drawn keep a new row's priority
+    plain, uniform, plain_given = fit_one_update(tmp_path / "uniform", monkeypatch)  # the control: the default
+    assert plain.buffer._priorities is None and "weights" not in uniform and "reduction" not in plain_given
 
 
 def collect(model: DQN, rounds: int) -> None:

@@ -1,0 +1,126 @@
+"""Benchmark prioritized replay: ``ReplayBuffer(..., prioritized=True)`` against the same buffer drawing uniformly and
+against TorchRL's ``PrioritizedReplayBuffer`` (a C++ segment tree over a ``LazyTensorStorage``), in one process; write
+the table to docs/benchmarks.md.
+
+    python -m benchmarks.prioritized                          # CPU, a million transitions of 4 float32
+    python -m benchmarks.prioritized --quick --output /tmp/b.md   # smoke run: small buffers, short budget
+
+TorchRL 0.14.1's segment trees are in its compiled extension, which loads with the torch it was built for (2.14.1
+here; under 2.13.0 it fails with an undefined symbol): its rows come from an environment with that torch
+(``pip install torch==2.14.1 torchrl==0.14.1`` and this checkout on the path), else they say why they are missing.
+Each buffer holds the same transitions (alpha 0.6, beta 0.4); rows: ``sample(32)``, and ``sample(32)`` then
+``update_priorities`` of the 32 rows drawn with ``|reward| + 1e-6`` (a DQN step's priority upkeep). Timings are medians
+over interleaved rounds; a ratio is the other's time over ours (prioritized): above 1, ours is faster.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from benchmarks.peers import Missing, label, load
+from benchmarks.report import command_line, measured_on, median_ms, parse_args, write_section
+from copy_correct import ReplayBuffer
+
+ROOT = Path(__file__).resolve().parents[1]
+ALPHA, BETA, BATCH, CHUNK = 0.6, 0.4, 32, 1000
+OURS, UNIFORM, TORCHRL = "ours", "ours, uniform", "TorchRL"
+
+
+def chunks(capacity: int) -> list[tuple[np.ndarray, ...]]:
+    """The stream, ``CHUNK`` transitions at a time: obs, action, reward, next_obs, terminated, truncated."""
+    rng = np.random.default_rng(0)
+    made = []
+    for _ in range(capacity // CHUNK):
+        obs = rng.normal(size=(CHUNK, 4)).astype(np.float32)
+        ends = rng.random(CHUNK) < 0.01
+        made.append(
+            (obs, rng.integers(0, 2, CHUNK), rng.normal(size=CHUNK).astype(np.float32), obs, ends, ends & False)
+        )
+    return made
+
+
+def ours(capacity: int, prioritized: bool) -> dict[str, Callable[[], Any]]:
+    options = {"prioritized": True, "alpha": ALPHA} if prioritized else {}
+    buffer = ReplayBuffer(capacity, (4,), num_envs=CHUNK, autoreset_mode="same_step", **options)
+    for step in tqdm(chunks(capacity), desc="filling ours", leave=False, file=sys.stderr):
+        buffer.add(*step)
+    generator = torch.Generator().manual_seed(0)
+    draw = partial(buffer.sample, BATCH, generator, **({"beta": BETA} if prioritized else {}))
+
+    def draw_and_update() -> None:
+        batch = draw()
+        buffer.update_priorities(batch["indices"], batch["reward"].abs() + 1e-6)
+
+    return {"sample": draw, "update": draw_and_update if prioritized else draw}
+
+
+def torchrl(capacity: int) -> dict[str, Callable[[], Any]] | Missing:
+    data, dicts = load("torchrl.data", "torchrl"), load("tensordict", "tensordict")
+    if isinstance(data, Missing) or isinstance(dicts, Missing):
+        return data if isinstance(data, Missing) else dicts
+    buffer = data.PrioritizedReplayBuffer(
+        alpha=ALPHA, beta=BETA, storage=data.LazyTensorStorage(capacity), batch_size=BATCH
+    )
+    names = ("obs", "action", "reward", "next_obs", "terminated", "truncated")
+    for step in tqdm(chunks(capacity), desc="filling TorchRL", leave=False, file=sys.stderr):
+        fields = {name: torch.from_numpy(np.ascontiguousarray(value)) for name, value in zip(names, step, strict=True)}
+        buffer.extend(dicts.TensorDict(fields, batch_size=[CHUNK]))
+
+    def draw_and_update() -> None:
+        batch, info = buffer.sample(return_info=True)
+        buffer.update_priority(info["index"], batch["reward"].abs() + 1e-6)
+
+    return {"sample": partial(buffer.sample, return_info=True), "update": draw_and_update}
+
+
+def table(capacity: int, budget: float) -> tuple[str, dict[str, str]]:
+    made: dict[str, dict[str, Callable[[], Any]]] = {OURS: ours(capacity, True), UNIFORM: ours(capacity, False)}
+    theirs = torchrl(capacity)
+    not_run = {}
+    if isinstance(theirs, Missing):
+        not_run[TORCHRL] = theirs
+    else:
+        made[TORCHRL] = theirs
+    names = {OURS: "copy_correct.ReplayBuffer(prioritized=True)", UNIFORM: "copy_correct.ReplayBuffer (uniform)",
+             TORCHRL: label("torchrl", "PrioritizedReplayBuffer")}  # fmt: skip
+    present = list(made)
+    lines = [
+        "| operation | " + " | ".join(f"{names[n]} µs" + ("" if n == OURS else f" | {n} / ours") for n in present)
+        + " |",
+        "| --- |" + " ---: |" * (2 * len(present) - 1),
+    ]  # fmt: skip
+    ops = {f"sample {BATCH}": "sample", f"sample {BATCH} + update_priorities {BATCH}": "update"}
+    for op, key in tqdm(ops.items(), desc="timing", leave=False, file=sys.stderr):
+        fns = {name: made[name][key] for name in present}
+        us = {name: ms * 1e3 for name, ms in median_ms(fns, torch.device("cpu"), budget).items()}
+        cells = [f"{us[n]:.1f}" + ("" if n == OURS else f" | {us[n] / us[OURS]:.2f}x") for n in present]
+        lines.append(f"| {op} | " + " | ".join(cells) + " |")
+    return "\n".join(lines), {names[n]: why for n, why in not_run.items()}
+
+
+def main(argv: list[str]) -> int:
+    args, _, budget = parse_args(__doc__, argv, 4.0, ROOT / "docs" / "benchmarks.md")
+    capacity = 4 * CHUNK if args.quick else 1_000_000
+    text, not_run = table(capacity, budget)
+    text += "".join(f"\n\nNot run: {name}: {why}." for name, why in not_run.items())
+    print(text, flush=True)
+    header = (
+        measured_on(torch.device("cpu"), command_line("benchmarks.prioritized", args) + (" --quick" if args.quick
+                                                                                        else ""))
+        + f" Obs 4 float32, capacity {capacity:,}. " + __doc__.split("\n\n")[2].replace("\n", " ")
+    )  # fmt: skip
+    write_section(args.output, "prioritized-cpu", "Prioritized replay (cpu)", header, text)
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
