@@ -368,16 +368,16 @@ def million(recordings: list[Recording], transitions: int, per_transition: dict[
 
 
 def filled_million(
-    recordings: list[Recording], transitions: int, compress: str | None
+    recordings: list[Recording], transitions: int, compress: str | None, **options: Any
 ) -> tuple[FrameReplayBuffer, float, int, int]:
-    """Ours built with room for ``transitions`` and their episodes' first frames (2% more frames) and fed every
-    recording in turn until its rings have wrapped (5% more): the buffer, the seconds it took, the growth of the
-    resident set and the transitions fed."""
+    """Ours built with room for ``transitions`` and their episodes' first frames (2% more frames), ``options`` passed
+    on (``prioritized=True``), and fed every recording in turn until its rings have wrapped (5% more): the buffer, the
+    seconds it took, the growth of the resident set and the transitions fed."""
     steps = [(rec, i) for rec in recordings for i in range(len(rec))]
     settle()
     before = resident()
     start = time.perf_counter()
-    buffer = FrameReplayBuffer(transitions + transitions // 50, space(recordings[0]), (), compress=compress)
+    buffer = FrameReplayBuffer(transitions + transitions // 50, space(recordings[0]), (), compress=compress, **options)
     fed = transitions + transitions // 20
     for n in tqdm(range(fed), desc=f"filling {transitions:,} ({compress})", leave=False, file=sys.stderr):
         rec, i = steps[n % len(steps)]

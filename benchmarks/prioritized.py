@@ -11,6 +11,10 @@ here; under 2.13.0 it fails with an undefined symbol): its rows come from an env
 Each buffer holds the same transitions (alpha 0.6, beta 0.4); rows: ``sample(32)``, and ``sample(32)`` then
 ``update_priorities`` of the 32 rows drawn with ``|reward| + 1e-6`` (a DQN step's priority upkeep). Timings are medians
 over interleaved rounds; a ratio is the other's time over ours (prioritized): above 1, ours is faster.
+
+Memory (with the atari and compress extras): a ``FrameReplayBuffer(compress="zstd", prioritized=True)`` built for a
+million transitions of Pong and fed them (``benchmarks.frame_replay.filled_million``: the rings wrap), beside the same
+buffer without priorities; its storage (``nbytes``: frames, rings and priorities) and the growth of the resident set.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from benchmarks import frame_replay
 from benchmarks.peers import Missing, label, load
 from benchmarks.report import command_line, measured_on, median_ms, parse_args, write_section
 from copy_correct import ReplayBuffer
@@ -66,9 +71,13 @@ def torchrl(capacity: int) -> dict[str, Callable[[], Any]] | Missing:
     data, dicts = load("torchrl.data", "torchrl"), load("tensordict", "tensordict")
     if isinstance(data, Missing) or isinstance(dicts, Missing):
         return data if isinstance(data, Missing) else dicts
-    buffer = data.PrioritizedReplayBuffer(
-        alpha=ALPHA, beta=BETA, storage=data.LazyTensorStorage(capacity), batch_size=BATCH
-    )
+    try:
+        buffer = data.PrioritizedReplayBuffer(
+            alpha=ALPHA, beta=BETA, storage=data.LazyTensorStorage(capacity), batch_size=BATCH
+        )
+    except RuntimeError as error:  # its segment trees are compiled for another torch (see the module docstring)
+        why = str(error).splitlines()[0].rstrip(".")
+        return Missing(f"torchrl's segment tree does not load with torch {torch.__version__}: {why}")
     names = ("obs", "action", "reward", "next_obs", "terminated", "truncated")
     for step in tqdm(chunks(capacity), desc="filling TorchRL", leave=False, file=sys.stderr):
         fields = {name: torch.from_numpy(np.ascontiguousarray(value)) for name, value in zip(names, step, strict=True)}
@@ -106,11 +115,37 @@ def table(capacity: int, budget: float) -> tuple[str, dict[str, str]]:
     return "\n".join(lines), {names[n]: why for n, why in not_run.items()}
 
 
+def memory_table(transitions: int) -> str:
+    """A million Pong transitions compressed, with and without priorities (module docstring); or why not."""
+    rec = frame_replay.record("ALE/Pong-v5", 6_000 if transitions >= 100_000 else 400, 0)
+    zstd = load("zstandard", "zstandard")
+    if isinstance(rec, Missing) or isinstance(zstd, Missing):
+        return f"Not run: the memory of a million Pong transitions: {rec if isinstance(rec, Missing) else zstd}."
+    lines = [
+        f"**{transitions:,} Pong transitions, compressed (zstd)**: bytes per transition and storage (``nbytes``), "
+        "resident memory (measured); the goal (issue 54): a million with priorities under 250 MB",
+        "",
+        "| buffer | bytes per transition | storage | of it, priorities | resident memory (measured) |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for prioritized in (False, True):
+        buffer, _, grown, _ = frame_replay.filled_million([rec], transitions, "zstd", prioritized=prioritized)
+        tree = 0 if buffer._priorities is None else buffer._priorities.nbytes
+        name = f'FrameReplayBuffer(compress="zstd"{", prioritized=True" if prioritized else ""})'
+        lines.append(
+            f"| {name} | {buffer.nbytes / buffer.stored:,.0f} | {buffer.nbytes / 1e6:,.0f} MB | {tree / 1e6:,.1f} MB | "
+            f"{grown / 1e6:,.0f} MB |"
+        )
+        del buffer
+    return "\n".join(lines)
+
+
 def main(argv: list[str]) -> int:
     args, _, budget = parse_args(__doc__, argv, 4.0, ROOT / "docs" / "benchmarks.md")
     capacity = 4 * CHUNK if args.quick else 1_000_000
     text, not_run = table(capacity, budget)
     text += "".join(f"\n\nNot run: {name}: {why}." for name, why in not_run.items())
+    text += "\n\n" + memory_table(20_000 if args.quick else 1_000_000)
     print(text, flush=True)
     header = (
         measured_on(torch.device("cpu"), command_line("benchmarks.prioritized", args) + (" --quick" if args.quick

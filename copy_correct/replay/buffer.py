@@ -78,7 +78,7 @@ class ReplayBuffer(ReplayBase):
         gamma: the agent's discount; given, a batch holds ``discounts``, ``gamma**m`` for the ``m`` transitions
             summed (the bootstrap factor; ``gamma`` with ``n_steps=1``).
         prioritized: ``True``: rows drawn by priority (``sample``'s ``beta``, ``update_priorities``;
-            ``copy_correct.replay.priorities``), about 16 bytes a row more; ``False`` (the default): uniformly.
+            ``copy_correct.replay.priorities``), about 17 bytes a row more; ``False`` (the default): uniformly.
         alpha: how much the priorities count, ``P(i) ~ p_i^alpha`` (0: uniform); baselines' default, 0.6.
 
     Attributes:

@@ -76,9 +76,10 @@ class FrameReplayBuffer(ReplayBase):
             each frame compressed once (by the next ``sample``, ``state_dict``, or every 64th ``add``: with
             ``SampleAhead``, on its thread), decompressed at ``sample``; the batches are the same, bit for bit.
             Needs the ``compress`` extra (``pip install "copy-correct[compress]"``).
-        prioritized, alpha: draw transitions by priority, as ``ReplayBuffer``'s: a priority per slot of every stream
-            (about 16 bytes a frame), none for a slot that starts no transition that can be drawn (an episode's last
+        prioritized: draw transitions by priority, as ``ReplayBuffer``'s: a priority per slot of every stream
+            (about 17 bytes a frame), none for a slot that starts no transition that can be drawn (an episode's last
             frame, a reset step left out, a stack whose first frames the ring overwrote), so it is never drawn.
+        alpha: how much the priorities count, ``P(i) ~ p_i^alpha``, as ``ReplayBuffer``'s.
 
     Attributes:
         stack, frame_shape: the frames per observation and the shape of one frame.

@@ -5,12 +5,14 @@ so ``(p_i^alpha / min_k p_k^alpha)^-beta`` (``N`` cancels). A new row gets the l
 before any); a row that holds no transition that can be drawn has none (0: never drawn, not in the minimum).
 
 The tree: each row's ``p^alpha`` (float64) in a leaf, and the leaves in groups of ``FANOUT`` whose running sums
-(``np.cumsum`` of the group) are kept, the groups' totals in groups of ``FANOUT`` again, up to one group: four levels
-for a million rows. A draw descends it for a whole batch at once, a level per step (the child whose running sum
-first exceeds what is left of the drawn mass), so a batch costs a few numpy calls per level, not per row. Writes only
-set leaves and note their groups; the sums and minimums of those groups are recomputed from the leaves before the next
-draw, weight or state (``_flush``), each group's sums by one ``np.cumsum`` of its children. So every sum is a function
-of the leaves alone: a tree rebuilt from saved leaves is the same, bit for bit, and draws what the original would.
+(``np.cumsum`` of the group) are kept, the groups' totals in groups of ``FANOUT`` again, until at most ``TOP`` groups
+are left, whose running sum over all of them is one array: a million rows take two levels of groups and a top of
+1,024. A draw finds a whole batch's masses in the top (``np.searchsorted``), then descends the groups a level per
+step (the child whose running sum first exceeds what is left of the drawn mass), so a batch costs a few numpy calls
+per level, not per row. Writes only set leaves and note their groups; the sums and minimums of those groups are
+recomputed from the leaves before the next draw, weight or state (``_flush``), each group's sums by one ``np.cumsum``
+of its children, and the top by one over the top groups' totals. So every sum is a function of the leaves alone: a
+tree rebuilt from saved leaves is the same, bit for bit, and draws what the original would.
 
 Copy contract: the tree is new host memory, allocated at construction (about 16 bytes a row); ``state`` shares the
 leaves (not copied), ``load`` copies them in. Nothing is seen by autograd: priorities given as tensors are read
@@ -29,7 +31,9 @@ from copy_correct.core.checks import shown
 
 __all__ = ["FANOUT", "Priorities", "check_alpha", "check_beta"]
 
-FANOUT = 32  # children of a node: 4 levels for a million rows, each a (batch, 32) compare per draw
+FANOUT = 32  # children of a group: a (batch, 32) compare per level of a draw
+TOP = 1024  # groups at most in the top, one running sum over them all: a searchsorted per draw
+MAX_NOTED = 1024  # writes noted one by one between two reads; past them, the next read recomputes every group
 
 
 def check_alpha(alpha: Any) -> float:
@@ -53,7 +57,7 @@ class Priorities:
         self.rows, self.alpha = rows, alpha
         self.max_priority = 1.0  # the largest priority given so far: a new row's
         counts = [-(-rows // FANOUT)]  # groups per level, the leaves' first
-        while counts[-1] > 1:
+        while counts[-1] > TOP:
             counts.append(-(-counts[-1] // FANOUT))
         for level in range(len(counts) - 2, -1, -1):  # every child of a group exists (of sum 0 past the rows)
             counts[level] = counts[level + 1] * FANOUT
@@ -66,12 +70,15 @@ class Priorities:
             if level + 1 < len(counts):
                 self._values.append(np.zeros((counts[level + 1], FANOUT)))
         self._min_values = [np.full((count, FANOUT), math.inf) for count in counts[1:]]
+        self._top = np.zeros(counts[-1] + 1)  # 0, then the running sum of the top groups' totals
+        self._min = math.inf  # the smallest priority of a drawable row
         self._changed: list[Any] = []  # groups of leaves written since the last _flush
+        self._all_changed = False  # so many writes since the last _flush that every group is recomputed
         self._new = 1.0  # max_priority ** alpha
 
     @property
     def nbytes(self) -> int:
-        arrays = [self._leaves, *self._sums, *self._mins, *self._values[1:], *self._min_values]
+        arrays = [self._leaves, *self._sums, *self._mins, *self._values[1:], *self._min_values, self._top]
         return sum(a.nbytes for a in arrays)
 
     # -- writes: leaves only ------------------------------------------------------------------------------------
@@ -79,21 +86,31 @@ class Priorities:
     def set_new(self, rows: np.ndarray | int) -> None:
         """``rows`` hold new transitions: each gets the largest priority given so far."""
         self._leaves[rows] = self._new
-        self._changed.append(rows // FANOUT)
+        self._note(rows)
 
     def clear(self, rows: np.ndarray) -> None:
         """``rows`` hold no transition that can be drawn: never drawn, not in the minimum."""
         self._leaves[rows] = 0.0
-        self._changed.append(rows // FANOUT)
+        self._note(rows)
 
     def update(self, rows: np.ndarray, priorities: np.ndarray) -> None:
         """``rows``' priorities (checked: positive, finite) stored as ``p^alpha``; the largest kept for new rows. A row
         given twice keeps its last priority, as baselines' loop does."""
         self._leaves[rows] = priorities**self.alpha
-        self._changed.append(rows // FANOUT)
+        self._note(rows)
         top = float(priorities.max())
         if top > self.max_priority:
             self.max_priority, self._new = top, top**self.alpha
+
+    def _note(self, rows: np.ndarray | int) -> None:
+        """The groups of ``rows`` are to be recomputed; past ``MAX_NOTED`` writes (a buffer filled without a read),
+        all of them: one pass over the tree instead of a list that grows with every add."""
+        if self._all_changed:
+            return
+        self._changed.append(rows // FANOUT)
+        if len(self._changed) > MAX_NOTED:
+            self._all_changed = True
+            self._changed.clear()
 
     def drawable(self, rows: np.ndarray) -> np.ndarray:
         """Whether each of ``rows`` holds a priority (a transition that can be drawn)."""
@@ -103,7 +120,7 @@ class Priorities:
 
     def total(self) -> float:
         self._flush()
-        return float(self._sums[-1][0, -1])
+        return float(self._top[-1])
 
     def draw(self, batch_size: int, generator: torch.Generator | None) -> np.ndarray:
         """``batch_size`` rows drawn with replacement, each with probability ``P(i)``: a mass uniform in [0, total)
@@ -120,12 +137,14 @@ class Priorities:
         return rows
 
     def _descend(self, fractions: np.ndarray) -> np.ndarray:
-        mass, batch = fractions * self._sums[-1][0, -1], np.arange(len(fractions))
-        node = np.zeros(len(fractions), np.int64)
+        top, batch = self._top, np.arange(len(fractions))
+        mass = fractions * top[-1]
+        node = np.searchsorted(top, mass, side="right") - 1  # the top group whose running sum passes the mass
+        np.minimum(node, len(top) - 2, out=node)
+        mass -= top[node]
         for sums in reversed(self._sums):
             running = sums[node]
-            child = (running[:, 1:] <= mass[:, None]).sum(1)
-            np.minimum(child, FANOUT - 1, out=child)
+            child = (running[:, 1:-1] <= mass[:, None]).sum(1)  # at most the last child, whatever the rounding
             mass -= running[batch, child]
             node = node * FANOUT + child
         return node
@@ -133,25 +152,33 @@ class Priorities:
     def weights(self, rows: np.ndarray, beta: float) -> np.ndarray:
         """``(P(i) / P_min)^-beta`` for each of ``rows`` as float32: 1 for the rows of the smallest priority."""
         self._flush()
-        return ((self._leaves[rows] / self._mins[-1][0]) ** -beta).astype(np.float32)
+        return ((self._leaves[rows] / self._min) ** -beta).astype(np.float32)
 
     def _flush(self) -> None:
         """Recompute the running sums and minimums of the groups written since the last call, level by level up."""
-        if not self._changed:
+        if self._all_changed:
+            groups = np.arange(len(self._values[0]))
+        elif self._changed:
+            groups = np.unique(np.concatenate([np.atleast_1d(g) for g in self._changed]))
+        else:
             return
-        groups = np.unique(np.concatenate([np.atleast_1d(g) for g in self._changed]))
         self._changed.clear()
+        self._all_changed = False
         for level, sums in enumerate(self._sums):
-            values = self._values[level]
-            sums[groups, 1:] = np.cumsum(values[groups], axis=1)
-            children = values[groups] if level == 0 else self._min_values[level - 1][groups]
-            self._mins[level][groups] = np.where(children > 0, children, math.inf).min(1)
+            children = self._values[level][groups]
+            sums[groups, 1:] = np.cumsum(children, axis=1)
+            if level == 0:  # a leaf of 0 holds no transition: not the smallest
+                self._mins[0][groups] = np.where(children > 0, children, math.inf).min(1)
+            else:
+                self._mins[level][groups] = self._min_values[level - 1][groups].min(1)
             if level + 1 == len(self._sums):
                 break
             parents, slots = np.divmod(groups, FANOUT)
             self._values[level + 1][parents, slots] = sums[groups, -1]
             self._min_values[level][parents, slots] = self._mins[level][groups]
             groups = np.unique(parents)
+        np.cumsum(self._sums[-1][:, -1], out=self._top[1:])
+        self._min = float(self._mins[-1].min())
 
     # -- state --------------------------------------------------------------------------------------------------
 
@@ -180,5 +207,5 @@ class Priorities:
         self._leaves[: self.rows] = state["priorities"].detach().cpu().numpy()
         self.max_priority = float(state["max_priority"])
         self._new = self.max_priority**self.alpha
-        self._changed.append(np.arange(len(self._values[0])))
+        self._all_changed = True
         self._flush()

@@ -18,6 +18,7 @@ import torch
 from scipy.stats import chisquare
 
 from copy_correct import FrameReplayBuffer, ReplayBuffer, SampleAhead
+from copy_correct.replay import priorities
 from copy_correct.replay.priorities import Priorities
 from tests.parts.test_frame_replay import play, same_as_stored
 from tests.parts.test_replay_copies import shared
@@ -247,3 +248,22 @@ def test_a_mass_rounded_past_the_last_priority_is_drawn_again_never_landing_on_a
     monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: next(fractions))
     rows = tree.draw(2, None)
     assert rows.tolist() == [5, 2]  # the first drawn again at 0.5 of the mass; the second kept
+
+
+def test_a_buffer_filled_without_a_read_draws_what_one_noting_every_write_draws(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past ``MAX_NOTED`` writes between two reads the tree recomputes every group instead of noting each write."""
+
+    def filled_and_drawn() -> dict[str, torch.Tensor]:
+        buffer = ReplayBuffer(5000, (1,), prioritized=True, alpha=ALPHA)
+        for t in range(3000):
+            buffer.add(np.full(1, t, np.float32), 0, float(t), np.full(1, t, np.float32), False, False)
+            if t == 1500:
+                buffer.update_priorities(np.arange(0, 1500, 7), np.linspace(0.1, 9.0, len(range(0, 1500, 7))))
+        return buffer.sample(512, torch.Generator().manual_seed(8), beta=0.5)
+
+    collapsed = filled_and_drawn()
+    monkeypatch.setattr(priorities, "MAX_NOTED", 10**9)
+    noted = filled_and_drawn()
+    assert all(torch.equal(collapsed[k], noted[k]) for k in collapsed)

@@ -51,6 +51,8 @@ NEEDS_ALE = pytest.mark.skipif(importlib.util.find_spec("ale_py") is None, reaso
     ("benchmarks.sharded", "sharded-cpu", "| copy_correct.EMA (sharded) | 2 |", "each rank alone (/ N=1)"),
     ("benchmarks.replay", "replay-cpu", "| 10 adds + sample 128 (CleanRL's cadence) |", "copy_correct.ReplayBuffer µs"),
     ("benchmarks.n_step", "n-step-cpu", "| sample 32, one env |", "copy_correct.ReplayBuffer(n_steps=3) µs"),
+    ("benchmarks.prioritized", "prioritized-cpu", "| sample 32 + update_priorities 32 |",
+     "ours, uniform / ours"),
     pytest.param("benchmarks.frame_replay", "frame-replay-cpu", "| copy_correct.FrameReplayBuffer | ",
                  "Pong: size / ours", marks=NEEDS_ALE),
 ])  # fmt: skip
