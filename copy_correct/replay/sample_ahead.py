@@ -11,11 +11,8 @@ draws are ``buffer.sample(batch_size, generator, device=)`` calls, one at a time
 ``add`` waits for the draw in flight before it writes: the same seeds give the same batches, bit for bit, as those
 synchronous calls at those points. ``state_dict()`` holds the batch in flight: loaded with the buffer's state (taken
 after it, before an ``add``), a resumed run draws the uninterrupted one's batches (the saved one misses later adds).
-
-A prioritized buffer's priorities are one sample stale the same way: ``update_priorities`` waits for the draw in
-flight, so the priorities set from batch ``k`` (between calls ``k`` and ``k + 1``) are seen from batch ``k + 2`` on;
-batch ``k + 1`` was drawn before them. ``sample(beta=...)`` is the ``beta`` of the draw that call starts (at the first
-call, of batch 0's too). A batch's ``weights`` are those of the priorities it was drawn from.
+Priorities are one sample stale alike: ``update_priorities`` waits for the draw in flight, so those set from batch
+``k`` are seen from batch ``k + 2`` on; ``sample(beta=)`` is the ``beta`` of the draw the call starts.
 
 Copy contract:
 
@@ -28,10 +25,9 @@ Copy contract:
   cannot be copied: ``pickle`` and ``copy`` are refused in one line naming ``state_dict()``.
 * What autograd sees: what ``buffer.sample`` gives (no graph) and what ``buffer.add`` writes (detached values).
 
-A ``FrameReplayBuffer(compress=...)`` compresses the frames added since the draw before at the next draw: on the
-thread. A draw's error is raised by the ``sample()`` that would have returned its batch. ``close()`` (or leaving the
-``with`` block) waits for the draw in flight and ends the thread; an unclosed ``SampleAhead`` that is garbage
-collected ends it too. A CUDA batch is copied on the thread's current stream: the default stream, as the loop's.
+A compressed ``FrameReplayBuffer`` compresses new frames at the next draw, on the thread. A draw's error is raised by
+the ``sample()`` that would have returned its batch. ``close()`` (or leaving the ``with``) waits for the draw in flight
+and ends the thread, as collecting an unclosed one does. A CUDA batch is copied on the thread's (default) stream.
 """
 
 from __future__ import annotations

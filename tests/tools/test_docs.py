@@ -38,23 +38,23 @@ QUOTED_RANGES = {
     ),
     "conf/recipe/metrics.yaml:25:28": ("callbacks:", "mode: raise"),
     "conf/recipe/ema.yaml:30:35": ("callbacks:", "evaluate: both"),
-    "recipes/dqn.py:208:209": (
+    "recipes/dqn.py:216:217": (
         "# Copy decision: one deep copy, once. From here on the target is only written in place.",
         "self.target = make_target(self.q)",
     ),
-    "recipes/dqn.py:263:265": (
+    "recipes/dqn.py:272:274": (
         "next_obs, reward, terminated, truncated, _ = self.env.step(action)",
         "self.buffer.add(self.obs, action, reward, next_obs, terminated, truncated)",
     ),
-    "recipes/dqn.py:278:280": (
+    "recipes/dqn.py:287:289": (
         "# Copy decision: sample gathers the batch into new memory; later adds cannot change it.",
         "batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}",
     ),
-    "recipes/dqn.py:281:287": (
+    "recipes/dqn.py:290:301": (
         "with torch.no_grad():  # Copy decision: no graph through the target, so nothing of it is kept",
         "loss = F.smooth_l1_loss(value, td_target)",
     ),
-    "recipes/dqn.py:293:299": ("self.updates += 1", "hard_update(self.target, self.q)"),
+    "recipes/dqn.py:307:313": ("self.updates += 1", "hard_update(self.target, self.q)"),
 }
 # The build needs the docs extra, which `dev` includes (as CI installs it); a machine given only the runtime
 # packages (the GPU check's) skips the builds and still runs the checks that read the sources.
@@ -183,7 +183,7 @@ def test_control_a_line_added_above_a_quoted_range_is_reported(tmp_path: Path) -
     (tmp_path / "recipes" / "dqn.py").write_text("# a new first line\n" + (ROOT / "recipes" / "dqn.py").read_text())
     problems = quoted_range_problems(tmp_path)
     assert problems[0] == (
-        "dqn.md: recipes/dqn.py:208:209 now quotes "
+        "dqn.md: recipes/dqn.py:216:217 now quotes "
         "'self.q = QNetwork(math.prod(observations.shape), actions.n, hidden)' ... "
         "'# Copy decision: one deep copy, once. From here on the target is only written in place.'"
     )
