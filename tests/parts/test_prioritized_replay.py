@@ -267,3 +267,44 @@ def test_a_buffer_filled_without_a_read_draws_what_one_noting_every_write_draws(
     monkeypatch.setattr(priorities, "MAX_NOTED", 10**9)
     noted = filled_and_drawn()
     assert all(torch.equal(collapsed[k], noted[k]) for k in collapsed)
+
+
+class TrackedRows(ReplayBuffer):
+    """After every add: exactly the rows that hold transitions (``0 .. size - 1``) have a priority."""
+
+    def add(self, *args: Any, **kwargs: Any) -> None:
+        super().add(*args, **kwargs)
+        tree = self._priorities
+        assert np.array_equal(tree.drawable(np.arange(tree.rows)), np.arange(tree.rows) < self.size)
+
+
+def vector_steps(buffer: ReplayBuffer, steps: int) -> None:
+    """``steps`` steps of 3 envs whose episodes end at random: in ``"next_step"`` mode an ended env's next row is its
+    reset step, which the buffer leaves out."""
+    rng = np.random.default_rng(0)
+    for _ in range(steps):
+        obs = rng.normal(size=(3, 1)).astype(np.float32)
+        ends = rng.random(3) < 0.3
+        buffer.add(obs, rng.integers(0, 2, 3), np.ones(3, np.float32), obs, ends, np.zeros(3, np.bool_))
+
+
+@pytest.mark.parametrize("mode", ["next_step", "same_step", "disabled"])
+def test_a_vector_env_buffer_gives_a_priority_to_every_row_written_and_to_no_reset_step(mode: str) -> None:
+    buffer = TrackedRows(40, (1,), num_envs=3, autoreset_mode=mode, prioritized=True)
+    vector_steps(buffer, 60)  # the ring wraps
+    assert buffer.size == 40
+
+
+def test_the_control_rows_counted_as_if_every_env_wrote_one_give_a_priority_to_an_empty_row() -> None:
+    class EveryEnv(ReplayBuffer):  # forgets that next_step leaves reset steps out
+        def _with_priorities(self, add: Any, priorities: Any) -> Any:
+            def add_rows(buffer: Any, *fields: Any) -> None:
+                pos = buffer.pos
+                add(buffer, *fields)
+                priorities.set_new((pos + np.arange(3)) % buffer.capacity)
+
+            return add_rows
+
+    buffer = EveryEnv(40, (1,), num_envs=3, autoreset_mode="next_step", prioritized=True)
+    vector_steps(buffer, 8)  # not yet full: a row past size is given a priority
+    assert buffer.size < 24 and buffer._priorities.drawable(np.arange(40)).sum() > buffer.size

@@ -369,6 +369,20 @@ def test_model_compress_stores_atari_frames_compressed_and_refuses_a_whole_obser
 
 
 @NEEDS_ALE
+def test_the_atari_configuration_draws_compressed_n_step_frames_by_priority(tmp_path: Path) -> None:
+    """``+dqn=atari model.prioritized=true``: a slot of the frame replay holds a priority exactly when a transition
+    can be drawn from it, and a batch carries its weights."""
+    pytest.importorskip("zstandard", reason='the compress extra: pip install "copy-correct[compress]"')
+    overrides = ("+dqn=atari", "model.buffer_size=20000", "model.n_steps=3", "model.compress=zstd")
+    model = build(compose_config("+recipe=dqn", *overrides, "model.prioritized=true", output_dir=tmp_path))[1]
+    collect(model, 75)  # 300 steps
+    tree, rows = model.buffer._priorities, np.arange(model.buffer._priorities.rows)
+    assert np.array_equal(tree.drawable(rows), model.buffer._drawable(rows)) and tree.drawable(rows).sum() > 250
+    batch = model.buffer.sample(32, generator=torch.Generator().manual_seed(0), beta=0.4)
+    assert batch["obs"].shape == (32, 4, 84, 84) and batch["weights"].shape == (32,)
+
+
+@NEEDS_ALE
 @pytest.mark.slow
 def test_a_short_atari_run_learns_evaluates_and_checkpoints(tmp_path: Path) -> None:
     result = run_train("+recipe=dqn", *QUIET, *ATARI, f"hydra.run.dir={tmp_path}")
