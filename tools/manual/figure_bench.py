@@ -213,10 +213,90 @@ def dqn_loop_figure(docs: Path, made_by: str) -> Path | None:
                        extra=f"<!-- tables {digest(tables)} -->\n")  # fmt: skip
 
 
+# Dopamine's circular replay (TF/JAX, not run here) keeps one frame a transition with an int32 action, a float32
+# reward and a uint8 terminal: its bytes per transition are computed from that layout, and said to be.
+DOPAMINE_BYTES = 84 * 84 + 4 + 4 + 1
+LAYOUTS = {  # the Pong memory table's rows (section frame-replay-cpu), as the chart names them
+    "stable-baselines3 2.9.2 ReplayBuffer": "stable-baselines3",
+    "stable-baselines3 2.9.2 ReplayBuffer(optimize_memory_usage=True)": "stable-baselines3, optimize_memory_usage",
+    "torchrl 0.14.1 ReplayBuffer(LazyTensorStorage)": "TorchRL",
+    "copy_correct.FrameReplayBuffer": "ours",
+}
+LOOP_ROWS = {  # the loop table's rows (section dqn-loop-cpu)
+    "stable-baselines3 2.9.2 ReplayBuffer": "stable-baselines3",
+    "copy_correct.FrameReplayBuffer": "ours",
+    'copy_correct.FrameReplayBuffer(compress="zstd") + SampleAhead': "ours, zstd",  # compressed: sampled ahead
+    'copy_correct.FrameReplayBuffer(compress="zstd", prioritized=True) + SampleAhead': "ours, zstd, prioritized",
+}
+PRIORITIZED_ROWS = {  # the million compressed Pong transitions (section prioritized-cpu)
+    'FrameReplayBuffer(compress="zstd")': "ours, zstd",
+    'FrameReplayBuffer(compress="zstd", prioritized=True)': "ours, zstd, prioritized",
+}
+
+
+def replay_layouts_figure(docs: Path, made_by: str) -> Path | None:
+    """The DQN page's chart of the Atari replays (block ``replay-layouts`` of ``recipes/dqn.md``): bytes per Pong
+    transition (sections ``frame-replay-cpu`` and ``prioritized-cpu`` of ``benchmarks.md``; Dopamine's computed from
+    its layout) and CleanRL's loop's steps a second against stable-baselines3's (``dqn-loop-cpu``); ``None`` where a
+    section or the block is missing."""
+    markdown, page = (docs / "benchmarks.md").read_text(), docs / "recipes" / "dqn.md"
+    found = sections(markdown)
+    needed = ("frame-replay-cpu", "prioritized-cpu", DQN_LOOP)
+    if any(key not in found for key in needed) or "replay-layouts" not in figure_blocks(page.read_text()):
+        return None
+    memory = read_section_tables(markdown, "frame-replay-cpu")[1].get("Memory per transition", {})
+    million = next((t for c, t in read_section_tables(markdown, "prioritized-cpu")[1].items() if "Pong" in c), {})
+    loop = next(iter(read_section_tables(markdown, DQN_LOOP)[1].values()), {})
+    sizes = {name: _ratio(memory[row]["Pong: bytes per transition"], "") for row, name in LAYOUTS.items()
+             if row in memory}  # fmt: skip
+    sizes |= {name: _ratio(million[row]["bytes per transition"], "") for row, name in PRIORITIZED_ROWS.items()
+              if row in million}  # fmt: skip
+    speeds = {name: _ratio(loop[row]["loop: stable-baselines3 / ours"], "") for row, name in LOOP_ROWS.items()
+              if row in loop}  # fmt: skip
+    if not sizes or not speeds:
+        return None
+    names = ["stable-baselines3", "stable-baselines3, optimize_memory_usage", "TorchRL", "Dopamine's layout (computed)",
+             "ours", "ours, zstd", "ours, zstd, prioritized"]  # fmt: skip
+    sizes["Dopamine's layout (computed)"] = float(DOPAMINE_BYTES)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    for ax, values, title in ((left, sizes, "bytes per Pong transition (log scale)"),
+                              (right, speeds, "CleanRL's loop: steps a second, over stable-baselines3's")):  # fmt: skip
+        for row, name in enumerate(names):
+            value = values.get(name)
+            if value is None:
+                ax.text(0.02, row, "not run", va="center", fontsize=7, transform=ax.get_yaxis_transform())
+                continue
+            computed = "computed" in name
+            ax.barh(row, value, color=FLOOR if computed else (OURS if name.startswith("ours") else PEER),
+                    hatch="//" if computed else None)  # fmt: skip
+            ax.text(value * 1.03, row, f"{value:,.0f}" if ax is left else f"{value:.3f}x", va="center", fontsize=7)
+        ax.set_title(title, fontsize=9)
+    left.set_xscale("log")
+    left.set_xlim(100, 400_000)
+    right.set_xlim(0, 1.25)
+    right.axvline(0.9, color="#c44e52", lw=0.8, ls="--", label="0.9x (issue 54's floor, prioritized)")
+    right.axvline(1.0, color="black", lw=0.8)
+    right.legend(fontsize=7, loc="lower right", frameon=False)
+    left.set_yticks(range(len(names)), names)
+    left.invert_yaxis()
+    fig.tight_layout()
+    caption = (
+        "The Atari replays: bytes per Pong transition (benchmarks.md's frame-replay-cpu memory table, buffers of "
+        "50,000; ours compressed from its prioritized-cpu table, a million; Dopamine's computed from its layout, one "
+        "84x84 frame, an int32 action, a float32 reward and a uint8 terminal, as it cannot run here) and CleanRL's "
+        f"dqn_atari.py loop's steps a second over stable-baselines3's ({DQN_LOOP}: ours compressed sampled ahead with "
+        "SampleAhead; TorchRL and Dopamine not run in it). "
+    )
+    tables = {"memory": memory, "million": million, "loop": loop}
+    return save_figure(fig, docs, "recipes/dqn.md", "replay-layouts", "Bytes per transition and loop speed of the "
+                       "Atari replays", caption + made_by, extra=f"<!-- tables {digest(tables)} -->\n")  # fmt: skip
+
+
 def benchmark_figures(ctx: Context) -> None:
     """Every section of ``docs/benchmarks.md`` with a ratio column, charted beside its tables; and the DQN page's
-    chart of the DQN loop's section (``dqn_loop_figure``)."""
+    charts of the DQN loop's section (``dqn_loop_figure``) and of the Atari replays (``replay_layouts_figure``)."""
     page = "benchmarks.md"
     for key in sections((ctx.docs / page).read_text()):
         draw_section_chart(ctx.docs, page, key, ctx.provenance.sentence(ctx.command))
     dqn_loop_figure(ctx.docs, ctx.provenance.sentence(ctx.command))
+    replay_layouts_figure(ctx.docs, ctx.provenance.sentence(ctx.command))
