@@ -199,8 +199,10 @@ class FrameReplayBuffer(ReplayBase):
             rows = np.concatenate([(envs * length + at % length)[new], (envs * length + oldest % length)[old]])
             drawable = buffer._drawable(rows)
             fresh = drawable[: int(new.sum())]
-            priorities.set_new(rows[: len(fresh)][fresh])
-            priorities.clear(rows[~drawable])
+            if fresh.any():
+                priorities.set_new(rows[: len(fresh)][fresh])
+            if not drawable.all():
+                priorities.clear(rows[~drawable])
 
         return add_tracked
 

@@ -95,7 +95,11 @@ class Priorities:
 
     def update(self, rows: np.ndarray, priorities: np.ndarray) -> None:
         """``rows``' priorities (checked: positive, finite) stored as ``p^alpha``; the largest kept for new rows. A row
-        given twice keeps its last priority, as baselines' loop does."""
+        given twice keeps its last priority, as baselines' loop does (numpy does not promise which of a repeated
+        index's values an assignment keeps: the last of each row is picked first)."""
+        if len(rows) > 1:
+            last = len(rows) - 1 - np.unique(rows[::-1], return_index=True)[1]
+            rows, priorities = rows[last], priorities[last]
         self._leaves[rows] = priorities**self.alpha
         self._note(rows)
         top = float(priorities.max())
@@ -117,10 +121,6 @@ class Priorities:
         return self._leaves[rows] > 0
 
     # -- reads: after the sums are recomputed -------------------------------------------------------------------
-
-    def total(self) -> float:
-        self._flush()
-        return float(self._top[-1])
 
     def draw(self, batch_size: int, generator: torch.Generator | None) -> np.ndarray:
         """``batch_size`` rows drawn with replacement, each with probability ``P(i)``: a mass uniform in [0, total)

@@ -87,6 +87,15 @@ def test_a_new_row_gets_the_largest_priority_so_far_and_an_overwritten_one_forge
     assert buffer._priorities._leaves[1] == 9.0**ALPHA
 
 
+def test_a_row_given_twice_keeps_its_last_priority_whatever_the_order() -> None:
+    buffer = numbered("ReplayBuffer")
+    buffer.update_priorities([3, 7, 3], [1.0, 2.0, 5.0])
+    buffer.update_priorities([9, 9], [5.0, 1.0])
+    leaves = buffer._priorities._leaves
+    assert (leaves[3], leaves[7], leaves[9]) == (5.0**ALPHA, 2.0**ALPHA, 1.0**ALPHA)
+    assert buffer._priorities.max_priority == 5.0  # the largest given, superseded or not, as baselines keeps it
+
+
 REFUSALS = {
     "a zero priority": (([3], [0.0]), "priorities must be positive and finite"),
     "a negative one": (([3], [-1.0]), "priorities must be positive and finite"),
@@ -222,6 +231,9 @@ def test_a_resumed_buffer_draws_what_the_original_draws_and_shares_nothing_with_
         resumed = numbered(kind)
         resumed.load_state_dict(state)
         assert not shared(resumed, original)
+        saved, loaded = state["priorities"].numpy(), resumed._priorities._leaves
+        assert np.shares_memory(saved, original._priorities._leaves)  # the control: the state shares the original's
+        assert not np.shares_memory(saved, loaded)
         a, b = (buffer.sample(64, torch.Generator().manual_seed(6), beta=0.7) for buffer in (original, resumed))
         assert all(torch.equal(a[k], b[k]) for k in a)
         with pytest.raises(ValueError, match=r"^saved buffer is prioritized, this one is not"):
@@ -242,7 +254,7 @@ def test_a_mass_rounded_past_the_last_priority_is_drawn_again_never_landing_on_a
 ) -> None:
     tree = Priorities(100, ALPHA)
     tree.set_new(np.arange(10))  # rows 10 to 99: no transition
-    tree.total()
+    tree._flush()
     assert tree._leaves[tree._descend(np.array([1.0]))[0]] == 0  # the control: a whole mass lands past them
     fractions = iter([torch.tensor([1.0, 0.25], dtype=torch.float64), torch.tensor([0.5], dtype=torch.float64)])
     monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: next(fractions))
