@@ -4,17 +4,20 @@ importance weight is ``(N P(i))^-beta`` divided by the largest weight of the buf
 so ``(p_i^alpha / min_k p_k^alpha)^-beta`` (``N`` cancels). A new row gets the largest priority given so far (1.0
 before any); a row that holds no transition that can be drawn has none (0: never drawn, not in the minimum).
 
-The tree: each row's ``p^alpha`` (float64) in a leaf, and the leaves in groups of ``FANOUT`` whose running sums
-(``np.cumsum`` of the group) are kept, the groups' totals in groups of ``FANOUT`` again, until at most ``TOP`` groups
-are left, whose running sum over all of them is one array: a million rows take two levels of groups and a top of
-1,024. A draw finds a whole batch's masses in the top (``np.searchsorted``), then descends the groups a level per
-step (the child whose running sum first exceeds what is left of the drawn mass), so a batch costs a few numpy calls
-per level, not per row. Writes only set leaves and note their groups; the sums and minimums of those groups are
-recomputed from the leaves before the next draw, weight or state (``_flush``), each group's sums by one ``np.cumsum``
-of its children, and the top by one over the top groups' totals. So every sum is a function of the leaves alone: a
+The tree: each row's ``p^alpha`` (float64) in a leaf; the leaves in groups of ``FANOUT``, and the groups in runs of
+``FANOUT``; the running sum of each group's leaves, and the running sum over all groups' totals (the top), kept
+whole, and the running sum over the runs' totals. A draw costs a fixed handful of numpy calls for a whole batch,
+whatever the capacity: it finds each mass's run among the runs' running sums (one ``np.searchsorted`` over a few
+thousand numbers at most: a million rows make 977 runs), its group among the run's 32 running sums in the top, and
+its row among the group's 32 (each a compare of a ``(batch, FANOUT)`` gather and its ``argmin``: the first whose
+running sum exceeds the mass). Writes only set leaves and note their groups; before the next draw, weight or state
+(``_flush``) the written groups' running sums and minimums are recomputed from their leaves (``np.cumsum``), the
+running sums within the runs that hold them, the runs' running sum, and the top as the sum of a run's running sum
+before it and its own, one vector add over all groups (a plain ``np.cumsum`` over the 31,250 groups of a million
+rows waits on each add before the next, several times slower). So every sum is a function of the leaves alone: a
 tree rebuilt from saved leaves is the same, bit for bit, and draws what the original would.
 
-Copy contract: the tree is new host memory, allocated at construction (about 16 bytes a row); ``state`` shares the
+Copy contract: the tree is new host memory, allocated at construction (about 17 bytes a row); ``state`` shares the
 leaves (not copied), ``load`` copies them in. Nothing is seen by autograd: priorities given as tensors are read
 through ``detach()`` and copied to the host (a CUDA tensor: one copy the host waits for).
 """
@@ -31,8 +34,7 @@ from copy_correct.core.checks import shown
 
 __all__ = ["FANOUT", "Priorities", "check_alpha", "check_beta"]
 
-FANOUT = 32  # children of a group: a (batch, 32) compare per level of a draw
-TOP = 1024  # groups at most in the top, one running sum over them all: a searchsorted per draw
+FANOUT = 32  # leaves in a group and groups in a run: a draw compares a (batch, 32) gather, twice
 MAX_NOTED = 1024  # writes noted one by one between two reads; past them, the next read recomputes every group
 
 
@@ -56,21 +58,20 @@ class Priorities:
     def __init__(self, rows: int, alpha: float) -> None:
         self.rows, self.alpha = rows, alpha
         self.max_priority = 1.0  # the largest priority given so far: a new row's
-        counts = [-(-rows // FANOUT)]  # groups per level, the leaves' first
-        while counts[-1] > TOP:
-            counts.append(-(-counts[-1] // FANOUT))
-        for level in range(len(counts) - 2, -1, -1):  # every child of a group exists (of sum 0 past the rows)
-            counts[level] = counts[level + 1] * FANOUT
-        self._leaves = np.zeros(counts[0] * FANOUT)  # p^alpha per row; 0: not drawable
-        self._values = [self._leaves.reshape(counts[0], FANOUT)]  # each level's children, grouped
-        self._sums, self._mins = [], []  # each level: 0 and the running sums of each group's children; its smallest
-        for level, count in enumerate(counts):
-            self._sums.append(np.zeros((count, FANOUT + 1)))
-            self._mins.append(np.full(count, math.inf))
-            if level + 1 < len(counts):
-                self._values.append(np.zeros((counts[level + 1], FANOUT)))
-        self._min_values = [np.full((count, FANOUT), math.inf) for count in counts[1:]]
-        self._top = np.zeros(counts[-1] + 1)  # 0, then the running sum of the top groups' totals
+        runs = -(-rows // FANOUT**2)
+        groups = runs * FANOUT  # every group of a run exists (of sum 0 past the rows), and one more of none
+        self._leaves = np.zeros((groups + 1) * FANOUT)  # p^alpha per row; 0: not drawable
+        self._groups = self._leaves.reshape(groups + 1, FANOUT)
+        self._sums = np.zeros((groups + 1, FANOUT))  # each group's running sums, its total as inf; the last: 0s
+        self._sums[:, -1] = math.inf  # so that a compare finds a child past any mass: the last
+        self._totals = np.zeros((runs, FANOUT))  # each group's total, by run
+        self._mins = np.full((runs, FANOUT), math.inf)  # each group's smallest priority, by run
+        self._run_mins = np.full(runs, math.inf)  # each run's smallest
+        self._runs = np.zeros((runs, FANOUT))  # the running sums of the groups' totals within each run
+        self._run_sums = np.zeros(runs + 1)  # 0, then the running sum of the runs' totals: the whole, last
+        self._top = np.zeros(1 + (runs + 1) * FANOUT)  # 0, then the running sum of every group's total, by run:
+        self._ends = self._top[1:].reshape(runs + 1, FANOUT)  # a run's group's, its total included; then one of inf
+        self._ends[-1] = math.inf  # (the run past the last: a mass rounded up to the whole lands in the group of none)
         self._min = math.inf  # the smallest priority of a drawable row
         self._changed: list[Any] = []  # groups of leaves written since the last _flush
         self._all_changed = False  # so many writes since the last _flush that every group is recomputed
@@ -78,8 +79,8 @@ class Priorities:
 
     @property
     def nbytes(self) -> int:
-        arrays = [self._leaves, *self._sums, *self._mins, *self._values[1:], *self._min_values, self._top]
-        return sum(a.nbytes for a in arrays)
+        sums = (self._sums, self._totals, self._mins, self._run_mins, self._runs, self._run_sums, self._top)
+        return self._leaves.nbytes + sum(a.nbytes for a in sums)
 
     # -- writes: leaves only ------------------------------------------------------------------------------------
 
@@ -123,62 +124,60 @@ class Priorities:
     # -- reads: after the sums are recomputed -------------------------------------------------------------------
 
     def draw(self, batch_size: int, generator: torch.Generator | None) -> np.ndarray:
-        """``batch_size`` rows drawn with replacement, each with probability ``P(i)``: a mass uniform in [0, total)
-        from ``torch.rand(..., float64)`` with ``generator`` on the CPU, found in the running sums level by level
-        (the first child whose running sum exceeds what is left of it: never one of sum 0). A mass that rounding
-        carries past a group's last child with a priority (rare) is drawn again, with the next numbers."""
+        """``batch_size`` rows drawn with replacement, each with probability ``P(i)``: masses uniform in [0, total)
+        from ``generator`` on the CPU, each one's run, group and row found in turn (module docstring: never one of
+        priority 0). A mass that rounding carries past a group's last row with a priority (rare: the group past the
+        last, of none, takes a mass rounded up to the whole) is drawn again, with the next numbers."""
         self._flush()
-        rows = self._descend(torch.rand(batch_size, generator=generator, dtype=torch.float64).numpy())
-        empty = self._leaves[rows] == 0
-        while empty.any():
-            again = torch.rand(int(empty.sum()), generator=generator, dtype=torch.float64).numpy()
-            rows[empty] = self._descend(again)
-            empty = self._leaves[rows] == 0
+        rows = self._descend(self._masses(batch_size, generator))
+        while not self._leaves.take(rows).all():
+            empty = self._leaves.take(rows) == 0
+            rows[empty] = self._descend(self._masses(int(empty.sum()), generator))
         return rows
 
-    def _descend(self, fractions: np.ndarray) -> np.ndarray:
-        top, batch = self._top, np.arange(len(fractions))
-        mass = fractions * top[-1]
-        node = np.searchsorted(top, mass, side="right") - 1  # the top group whose running sum passes the mass
-        np.minimum(node, len(top) - 2, out=node)
-        mass -= top[node]
-        for sums in reversed(self._sums):
-            running = sums[node]
-            child = (running[:, 1:-1] <= mass[:, None]).sum(1)  # at most the last child, whatever the rounding
-            mass -= running[batch, child]
-            node = node * FANOUT + child
-        return node
+    def _masses(self, count: int, generator: torch.Generator | None) -> np.ndarray:
+        """``count`` masses uniform in [0, total): torch's ``uniform_`` in float64, from ``generator``."""
+        total = self._run_sums[-1]
+        return torch.empty(count, dtype=torch.float64).uniform_(0, total, generator=generator).numpy()
+
+    def _descend(self, mass: np.ndarray) -> np.ndarray:
+        run = self._run_sums[1:].searchsorted(mass, side="right")  # the first whose running sum exceeds the mass
+        group = (self._ends.take(run, axis=0) <= mass[:, None]).argmin(1)  # in it, the first whose running sum does
+        run *= FANOUT
+        group += run
+        mass -= self._top.take(group)
+        row = (self._sums.take(group, axis=0) <= mass[:, None]).argmin(1)  # the first past it; the last at most
+        group *= FANOUT
+        row += group
+        return row
 
     def weights(self, rows: np.ndarray, beta: float) -> np.ndarray:
         """``(P(i) / P_min)^-beta`` for each of ``rows`` as float32: 1 for the rows of the smallest priority."""
         self._flush()
-        return ((self._leaves[rows] / self._min) ** -beta).astype(np.float32)
+        return np.power(self._leaves.take(rows) / self._min, -beta, dtype=np.float32)
 
     def _flush(self) -> None:
-        """Recompute the running sums and minimums of the groups written since the last call, level by level up."""
+        """Recompute the running sums and minimums of the groups written since the last call, the runs of the top
+        they are in, and the top (module docstring)."""
         if self._all_changed:
-            groups = np.arange(len(self._values[0]))
+            groups = np.arange(self._mins.size)
         elif self._changed:
             groups = np.unique(np.concatenate([np.atleast_1d(g) for g in self._changed]))
         else:
             return
         self._changed.clear()
         self._all_changed = False
-        for level, sums in enumerate(self._sums):
-            children = self._values[level][groups]
-            sums[groups, 1:] = np.cumsum(children, axis=1)
-            if level == 0:  # a leaf of 0 holds no transition: not the smallest
-                self._mins[0][groups] = np.where(children > 0, children, math.inf).min(1)
-            else:
-                self._mins[level][groups] = self._min_values[level - 1][groups].min(1)
-            if level + 1 == len(self._sums):
-                break
-            parents, slots = np.divmod(groups, FANOUT)
-            self._values[level + 1][parents, slots] = sums[groups, -1]
-            self._min_values[level][parents, slots] = self._mins[level][groups]
-            groups = np.unique(parents)
-        np.cumsum(self._sums[-1][:, -1], out=self._top[1:])
-        self._min = float(self._mins[-1].min())
+        leaves = self._groups[groups]
+        sums = np.cumsum(leaves, axis=1)
+        self._sums[groups, :-1] = sums[:, :-1]
+        self._totals.reshape(-1)[groups] = sums[:, -1]
+        self._mins.reshape(-1)[groups] = np.where(leaves > 0, leaves, math.inf).min(1)  # a 0 is not the smallest
+        runs = np.unique(groups // FANOUT)
+        self._runs[runs] = np.cumsum(self._totals[runs], axis=1)
+        self._run_mins[runs] = self._mins[runs].min(1)
+        np.cumsum(self._runs[:, -1], out=self._run_sums[1:])  # exact: one add at a time, as the top's last of a run
+        np.add(self._run_sums[:-1, None], self._runs, out=self._ends[:-1])
+        self._min = float(self._run_mins.min())
 
     # -- state --------------------------------------------------------------------------------------------------
 

@@ -255,11 +255,11 @@ def test_a_mass_rounded_past_the_last_priority_is_drawn_again_never_landing_on_a
     tree = Priorities(100, ALPHA)
     tree.set_new(np.arange(10))  # rows 10 to 99: no transition
     tree._flush()
-    assert tree._leaves[tree._descend(np.array([1.0]))[0]] == 0  # the control: a whole mass lands past them
-    fractions = iter([torch.tensor([1.0, 0.25], dtype=torch.float64), torch.tensor([0.5], dtype=torch.float64)])
-    monkeypatch.setattr(torch, "rand", lambda *args, **kwargs: next(fractions))
+    assert tree._leaves[tree._descend(np.array([10.0]))[0]] == 0  # the control: the whole mass lands past them
+    masses = iter([np.array([10.0, 2.5]), np.array([5.0])])
+    monkeypatch.setattr(tree, "_masses", lambda count, generator: next(masses))
     rows = tree.draw(2, None)
-    assert rows.tolist() == [5, 2]  # the first drawn again at 0.5 of the mass; the second kept
+    assert rows.tolist() == [5, 2]  # the first drawn again at half the mass; the second kept
 
 
 def test_a_buffer_filled_without_a_read_draws_what_one_noting_every_write_draws(
