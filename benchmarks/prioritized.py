@@ -112,32 +112,42 @@ def table(capacity: int, budget: float) -> tuple[str, dict[str, str]]:
         us = {name: ms * 1e3 for name, ms in median_ms(fns, torch.device("cpu"), budget).items()}
         cells = [f"{us[n]:.1f}" + ("" if n == OURS else f" | {us[n] / us[OURS]:.2f}x") for n in present]
         lines.append(f"| {op} | " + " | ".join(cells) + " |")
-    return "\n".join(lines), {names[n]: why for n, why in not_run.items()}
+        if key == "sample":
+            ratio = f"A prioritized sample({BATCH}): {us[OURS] / us[UNIFORM]:.2f}x the uniform one (goal: at most 2x)."
+    return "\n".join(lines) + "\n\n" + ratio, {names[n]: why for n, why in not_run.items()}
 
 
-def memory_table(transitions: int) -> str:
-    """A million Pong transitions compressed, with and without priorities (module docstring); or why not."""
+def memory_table(transitions: int, budget: float) -> str:
+    """A million Pong transitions compressed, with and without priorities (module docstring), and their ``sample(32)``
+    timed in interleaved rounds; or why not."""
     rec = frame_replay.record("ALE/Pong-v5", 6_000 if transitions >= 100_000 else 400, 0)
     zstd = load("zstandard", "zstandard")
     if isinstance(rec, Missing) or isinstance(zstd, Missing):
         return f"Not run: the memory of a million Pong transitions: {rec if isinstance(rec, Missing) else zstd}."
     lines = [
         f"**{transitions:,} Pong transitions, compressed (zstd)**: bytes per transition and storage (``nbytes``), "
-        "resident memory (measured); the goal (issue 54): a million with priorities under 250 MB",
+        f"resident memory (measured), and a ``sample({BATCH})``; the goal (issue 54): a million with priorities "
+        "under 250 MB",
         "",
-        "| buffer | bytes per transition | storage | of it, priorities | resident memory (measured) |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| buffer | bytes per transition | storage | of it, priorities | resident memory (measured) | "
+        f"sample {BATCH} µs |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
+    rows, draws = {}, {}
     for prioritized in (False, True):
         buffer, _, grown, _ = frame_replay.filled_million([rec], transitions, "zstd", prioritized=prioritized)
         tree = 0 if buffer._priorities is None else buffer._priorities.nbytes
         name = f'FrameReplayBuffer(compress="zstd"{", prioritized=True" if prioritized else ""})'
-        lines.append(
+        rows[name] = (
             f"| {name} | {buffer.nbytes / buffer.stored:,.0f} | {buffer.nbytes / 1e6:,.0f} MB | {tree / 1e6:,.1f} MB | "
             f"{grown / 1e6:,.0f} MB |"
         )
-        del buffer
-    return "\n".join(lines)
+        options = {"beta": BETA} if prioritized else {}
+        draws[name] = partial(buffer.sample, BATCH, torch.Generator().manual_seed(0), **options)
+    us = {name: ms * 1e3 for name, ms in median_ms(draws, torch.device("cpu"), budget).items()}
+    lines += [f"{row} {us[name]:.1f} |" for name, row in rows.items()]
+    uniform, prioritized = us.values()
+    return "\n".join(lines) + f"\n\nA prioritized sample of frames: {prioritized / uniform:.2f}x the uniform one."
 
 
 def main(argv: list[str]) -> int:
@@ -145,7 +155,7 @@ def main(argv: list[str]) -> int:
     capacity = 4 * CHUNK if args.quick else 1_000_000
     text, not_run = table(capacity, budget)
     text += "".join(f"\n\nNot run: {name}: {why}." for name, why in not_run.items())
-    text += "\n\n" + memory_table(20_000 if args.quick else 1_000_000)
+    text += "\n\n" + memory_table(20_000 if args.quick else 1_000_000, budget)
     print(text, flush=True)
     header = (
         measured_on(torch.device("cpu"), command_line("benchmarks.prioritized", args) + (" --quick" if args.quick
