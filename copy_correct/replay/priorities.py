@@ -154,7 +154,7 @@ class Priorities:
     def weights(self, rows: np.ndarray, beta: float) -> np.ndarray:
         """``(P(i) / P_min)^-beta`` for each of ``rows`` as float32: 1 for the rows of the smallest priority."""
         self._flush()
-        return np.power(self._leaves.take(rows) / self._min, -beta, dtype=np.float32)
+        return ((self._leaves.take(rows) / self._min) ** -beta).astype(np.float32)
 
     def _flush(self) -> None:
         """Recompute the running sums and minimums of the groups written since the last call, the runs of the top
