@@ -5,9 +5,10 @@ tensor the average holds is copied: each parameter is a new ``nn.Parameter`` obj
 average's storage, each averaged buffer is the average's tensor itself, so the module holds the average at all
 times, at no memory cost, and a write into it (``load_state_dict``, timm's ``load_checkpoint``, a forward in training
 mode updating BatchNorm statistics) is a write into the average. A buffer the average leaves out
-(``include_buffers=False``) is the model's own object, shared. Tensors that are plain attributes (not parameters or
-buffers) are deep-copied, as ``export`` copies them. Autograd: the parameters need no grad, so nothing done with the
-module records a graph through the average.
+(``include_buffers=False``, ``trainable_only``, ``exclude``) is the model's own object, shared; a parameter it leaves
+out is a new ``nn.Parameter`` (``requires_grad=False``) on the live parameter's storage: its live values, no copy.
+Tensors that are plain attributes (not parameters or buffers) are deep-copied, as ``export`` copies them. Autograd:
+the parameters need no grad, so nothing done with the module records a graph through the average.
 """
 
 from __future__ import annotations
@@ -23,12 +24,15 @@ from copy_correct.core.module_tensors import state_entries
 __all__ = ["average_module"]
 
 
-def average_module(model: nn.Module, averages: Mapping[str, torch.Tensor], include_buffers: bool) -> nn.Module:
-    """The module described above, in eval mode; ``averages`` maps the model's ``state_dict`` names to the average's
-    tensors (names sharing one tensor in the model share one in ``averages``)."""
+def average_module(model: nn.Module, averages: Mapping[str, torch.Tensor]) -> nn.Module:
+    """The module described above, in eval mode; ``averages`` maps the model's ``state_dict`` names that are averaged
+    to the average's tensors (names sharing one tensor in the model share one in ``averages``)."""
     memo: dict[int, torch.Tensor] = {}
-    for name, tensor, owner in state_entries(model, include_buffers):
-        if id(tensor) in memo:
+    for name, tensor, owner in state_entries(model):
+        if id(tensor) in memo or (name not in averages and owner is not None):
+            continue
+        if name not in averages:  # a parameter left out of the average: its live storage, without grad
+            memo[id(tensor)] = nn.Parameter(tensor.detach(), requires_grad=False)
             continue
         average = averages[name]
         memo[id(tensor)] = nn.Parameter(average, requires_grad=False) if owner is None else average

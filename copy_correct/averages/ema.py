@@ -36,6 +36,7 @@ from torch import nn
 
 from copy_correct.averages.average_module import average_module
 from copy_correct.averages.peer_calls import EMA_NAMES
+from copy_correct.averages.selection import Exclude
 from copy_correct.averages.settings import ema_settings
 from copy_correct.averages.shadow import Group, Shadows, check_tensors, copy_into, gathered, write_into
 from copy_correct.averages.weight_swap import Swap, swap_in, swap_out, written_error
@@ -65,6 +66,12 @@ class EMA(Shadows):
         update_every: average on every n-th call of ``update`` (the others are free).
         start_step: before this many ``update`` calls, the shadow copies the weights instead of averaging.
         include_buffers: average floating buffers and copy integer ones; ``False``: parameters only.
+        trainable_only: average only the parameters that require grad when the EMA is built, and the buffers of the
+            modules that hold one (``copy_correct.averages.selection``): a LoRA adapter's average without a second
+            copy of the frozen base.
+        exclude: leave out the ``state_dict`` names starting with one of these prefixes (``("head.",)``), or those
+            for which a function of (name, tensor) returns ``True``. A tensor left out holds no shadow;
+            ``average_weights``, ``module`` and ``export`` give its live values, ``shadow`` and ``state_dict`` lack it.
         shadow_dtype: dtype of the shadow's floating tensors; ``None``: float32 for float16/bfloat16
             models, the model's dtype otherwise.
         device: where the shadow lives; ``None``: beside each model tensor. ``"cpu"`` keeps a GPU model's
@@ -96,6 +103,8 @@ class EMA(Shadows):
         update_every: int = 1,
         start_step: int = 0,
         include_buffers: bool = True,
+        trainable_only: bool = False,
+        exclude: Exclude = (),
         shadow_dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
         skip_nonfinite: bool = False,
@@ -132,7 +141,7 @@ class EMA(Shadows):
         if self._watch.stale():  # read per batch in an evaluation loop: the walk only after a registration
             self._check_model(tracked)
         if self._module is None:
-            self._module = average_module(tracked, self.shadow, self.include_buffers)
+            self._module = average_module(tracked, self.shadow)
             self._module.register_load_state_dict_pre_hook(_counterless_load)
         return self._module
 

@@ -18,13 +18,11 @@ sees (``param.data = other_shape``, ``del module.head``) is found by the walk th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-
-from copy_correct.core.module_tensors import state_entries
 
 __all__ = ["Entry", "ModelWatch", "changes"]
 
@@ -82,10 +80,11 @@ class Entry(NamedTuple):
     shape: torch.Size
 
 
-def changes(model: nn.Module, include_buffers: bool, entries: Sequence[Entry]) -> str | None:
-    """How ``model`` differs from ``entries``, in one line naming the first tensors that differ; ``None`` when it
-    does not. Tied tensors (several names for one tensor) are entries of their own."""
-    now = {name: (tensor, owner is None) for name, tensor, owner in state_entries(model, include_buffers)}
+def changes(model_now: Iterable[tuple[str, torch.Tensor, Any]], entries: Sequence[Entry]) -> str | None:
+    """How the model differs from ``entries``, in one line naming the first tensors that differ; ``None`` when it
+    does not. ``model_now``: its entries that the average would keep now (``selection.Chosen.now``: name, tensor,
+    owner). Tied tensors (several names for one tensor) are entries of their own."""
+    now = {name: (tensor, owner is None) for name, tensor, owner in model_now}
     kept = {entry.name for entry in entries}
     added = [name for name in now if name not in kept]
     removed = [entry.name for entry in entries if entry.name not in now]

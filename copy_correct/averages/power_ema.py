@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from copy_correct.averages.peer_calls import POWER_EMA_NAMES
+from copy_correct.averages.selection import Exclude
 from copy_correct.averages.settings import power_ema_settings
 from copy_correct.averages.shadow import Shadows, check_tensors, copy_into
 from copy_correct.core.checks import module
@@ -66,6 +67,12 @@ class PowerEMA(Shadows):
             ``None``: only when ``save_snapshot`` is called.
         snapshot_dir: where scheduled snapshots go.
         include_buffers: average floating buffers and copy integer ones; ``False``: parameters only.
+        trainable_only: average only the parameters that require grad when the PowerEMA is built, and the buffers of the
+            modules that hold one (``copy_correct.averages.selection``): a LoRA adapter's average without a second
+            copy of the frozen base.
+        exclude: leave out the ``state_dict`` names starting with one of these prefixes (``("head.",)``), or those
+            for which a function of (name, tensor) returns ``True``. A tensor left out holds no shadow;
+            the profiles, snapshots and ``state_dict`` lack it.
         shadow_dtype: dtype of the profiles' floating tensors; ``None``: float32 for float16/bfloat16 models, the
             model's dtype otherwise.
         skip_nonfinite: skip every update whose live values hold a NaN or an Inf, leaving every profile bit for bit
@@ -93,6 +100,8 @@ class PowerEMA(Shadows):
         snapshot_every: int | None = None,
         snapshot_dir: str | os.PathLike[str] | None = None,
         include_buffers: bool = True,
+        trainable_only: bool = False,
+        exclude: Exclude = (),
         shadow_dtype: torch.dtype | None = None,
         skip_nonfinite: bool = False,
     ) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from copy_correct.averages.power_function import SIGMA_REL_MAX, sigma_rel_to_gamma
+from copy_correct.averages.selection import Selection
 from copy_correct.core.checks import device as checked_device
 from copy_correct.core.checks import flag, floating_dtype, integer, real, shown
 from copy_correct.decay_schedule import DecaySchedule
@@ -30,7 +31,7 @@ class EMASettings:
     schedule: DecaySchedule
     update_every: int
     start_step: int
-    include_buffers: bool
+    selection: Selection
     shadow_dtype: torch.dtype | None
     device: torch.device | None
     skip_nonfinite: bool
@@ -45,7 +46,7 @@ class PowerEMASettings:
     update_every: int
     snapshot_every: int | None
     snapshot_dir: Path | None
-    include_buffers: bool
+    selection: Selection
     shadow_dtype: torch.dtype | None
     skip_nonfinite: bool
 
@@ -70,7 +71,7 @@ def ema_settings(arguments: Mapping[str, Any]) -> EMASettings:
         schedule=DecaySchedule(**{field.name: arguments[field.name] for field in fields(DecaySchedule)}),
         update_every=integer("update_every", arguments["update_every"], 1),
         start_step=integer("start_step", arguments["start_step"], 0),
-        include_buffers=flag("include_buffers", arguments["include_buffers"]),
+        selection=Selection.of(arguments),
         shadow_dtype=floating_dtype("shadow_dtype", arguments["shadow_dtype"]),
         device=checked_device("device", device) if device is not None else None,
         skip_nonfinite=flag("skip_nonfinite", arguments["skip_nonfinite"]),
@@ -97,7 +98,7 @@ def power_ema_settings(arguments: Mapping[str, Any]) -> PowerEMASettings:
         update_every=update_every,
         snapshot_every=snapshot_every,
         snapshot_dir=Path(snapshot_dir) if snapshot_dir is not None else None,
-        include_buffers=flag("include_buffers", arguments["include_buffers"]),
+        selection=Selection.of(arguments),
         shadow_dtype=floating_dtype("shadow_dtype", arguments["shadow_dtype"]),
         skip_nonfinite=flag("skip_nonfinite", arguments["skip_nonfinite"]),
     )

@@ -35,9 +35,10 @@ from torch import nn
 
 from copy_correct.averages.model_changes import Entry, ModelWatch, changes
 from copy_correct.averages.peer_calls import missing, not_callable
+from copy_correct.averages.selection import Chosen
 from copy_correct.averages.settings import EMASettings, PowerEMASettings
 from copy_correct.core.foreach_writes import foreach_copy_
-from copy_correct.core.module_tensors import DATA_PTR, TensorRefs, state_entries, unwrap
+from copy_correct.core.module_tensors import DATA_PTR, TensorRefs, unwrap
 from copy_correct.core.sharding import from_local, is_sharded, layout, local, local_part, reshard
 from copy_correct.guards.choice import choose
 from copy_correct.guards.device import guard_wanted
@@ -80,7 +81,12 @@ class Shadows:
     def _init_shadows(self, model: nn.Module, copies: int, settings: EMASettings | PowerEMASettings) -> None:
         """Build ``copies`` shadows of ``model`` (already checked to be a module) as ``settings`` say and, under
         ``skip_nonfinite``, the guard."""
-        self.include_buffers = settings.include_buffers
+        selection = settings.selection
+        self.include_buffers, self.trainable_only, self.exclude = (
+            selection.include_buffers,
+            selection.trainable_only,
+            selection.exclude,
+        )
         self.shadow_dtype = settings.shadow_dtype
         self.device = settings.device
         tracked = unwrap(model)
@@ -92,11 +98,13 @@ class Shadows:
                 "rank's shadow then lives beside its shards"
             )
         self._watch = ModelWatch()
+        self._chosen: Chosen = selection.choose(tracked)  # the tensors averaged, by name, from now on
         self._copies, self._groups = self._build(tracked, [{} for _ in range(copies)], given=False)
         self._entries = self._entries_of(tracked)
         if not any(group.average for group in self._groups):
-            buffers = "parameters or buffers" if self.include_buffers else "parameters (include_buffers=False)"
-            raise ValueError(f"model ({type(tracked).__name__}) has no floating {buffers}: nothing to average")
+            raise ValueError(
+                f"model ({type(tracked).__name__}) has no floating {self._chosen.describe()}: nothing to average"
+            )
         self.skip_nonfinite = guard_wanted(
             settings.skip_nonfinite,
             self._kind,
@@ -122,7 +130,7 @@ class Shadows:
         groups: dict[tuple, Group] = {}
         reshard(model)  # the sharded parameters registered, not gathered copies
         with torch.no_grad():
-            for name, live, owner in state_entries(model, self.include_buffers):
+            for name, live, owner in self._chosen.entries(model):
                 if id(live) in first_name:  # tied weights share one shadow per copy
                     for shadows in made:
                         shadows[name] = shadows[first_name[id(live)]]
@@ -198,7 +206,7 @@ class Shadows:
         shadows = self._copies[0]
         return [
             Entry(name, tensor if owner is None else None, tensor.device, tensor.dtype, shadows[name].shape)
-            for name, tensor, owner in state_entries(model, self.include_buffers)
+            for name, tensor, owner in self._chosen.entries(model)
         ]
 
     def _check_model(self, model: nn.Module) -> None:
@@ -206,7 +214,7 @@ class Shadows:
         added, removed, reshaped or moved): a walk over its ``state_dict`` names, no tensor read."""
         if self.sharded:
             reshard(model)  # the sharded parameters registered, not gathered copies
-        change = changes(model, self.include_buffers, self._entries)
+        change = changes(self._chosen.now(model), self._entries)
         if change is not None:
             raise RuntimeError(f"{self._kind}: {change}")
         self._watch.seen()
