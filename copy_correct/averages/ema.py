@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from copy_correct.averages.average_module import average_module
-from copy_correct.averages.peer_calls import EMA_NAMES
+from copy_correct.averages.peer_calls import EMA_NAMES, UpdateCount
 from copy_correct.averages.selection import Exclude
 from copy_correct.averages.settings import ema_settings
 from copy_correct.averages.shadow import Group, Shadows, check_tensors, copy_into, gathered, write_into
@@ -116,12 +116,18 @@ class EMA(Shadows):
         self.warmup = self.schedule.warmup
         self.update_every = settings.update_every
         self.start_step = settings.start_step
-        self.step = 0  # calls of update()
+        self._step = 0  # calls of update(): ``step``
         self.num_updates = 0  # averaging updates made (the warm-up's k; under skip_nonfinite, skipped ones too)
         self._swap: Swap | None = None  # set while average_weights holds the average in the model
         self._module: nn.Module | None = None  # the average as a module, made on the first read of ``module``
         self._share_checked = False  # initial_share is checked once, when the average is first used
         self._init_shadows(model, 1, settings)
+
+    @property
+    def step(self) -> UpdateCount:
+        """The number of ``update`` calls, an ``int`` (``copy_correct.averages.peer_calls.UpdateCount``: diffusers'
+        ``ema.step(model.parameters())`` raises naming ``ema.update(model)``)."""
+        return UpdateCount(self._step)
 
     def _device_guard(self) -> NonFiniteGuard:
         """The guard of a shadow off the CPU: it stages, checks and averages (or selects) on the device."""
@@ -193,13 +199,13 @@ class EMA(Shadows):
         tracked = self._tracked(model)
         if self._watch.stale():
             self._check_model(tracked)
-        if step is not None and step != self.step + 1:
+        if step is not None and step != self._step + 1:
             raise ValueError(
-                f"EMA.update(step={step!r}): this is update call {self.step + 1} of this EMA, which counts its own "
+                f"EMA.update(step={step!r}): this is update call {self._step + 1} of this EMA, which counts its own "
                 "calls (ema.step); restore a resumed count with load_state_dict or load_average(..., step=n), or drop "
                 "step="
             )
-        step, self.step = self.step, self.step + 1
+        step, self._step = self._step, self._step + 1
         copy = step < self.start_step
         if not copy and (step - self.start_step) % self.update_every:
             return
@@ -323,7 +329,7 @@ class EMA(Shadows):
         state = {
             "decay": self.decay,
             "schedule": self.schedule_state(),
-            "step": self.step,
+            "step": self._step,
             "num_updates": self.num_updates,
             "shadow": dict(self.shadow),
         }
@@ -376,7 +382,7 @@ class EMA(Shadows):
         copy_into(self.shadow, state["shadow"])
         if self._swap is not None:  # the block goes on with the loaded average in the model
             self._swap.reload(self._model)
-        self.step = int(state["step"])
+        self._step = int(state["step"])
         self.num_updates = int(state["num_updates"])
         if self.skip_nonfinite:  # a state saved without the guard: nothing skipped, every update applied
             self._skipped.fill_(int(state.get("skipped", 0)))
@@ -393,7 +399,7 @@ class EMA(Shadows):
         tensors = len({id(t) for t in self.shadow.values()})
         return (
             f"EMA(decay={self.decay}, warmup={self.warmup!r}, tensors={tensors}, groups={len(self._groups)}, "
-            f"step={self.step}, num_updates={self.num_updates})"
+            f"step={self._step}, num_updates={self.num_updates})"
         )
 
 

@@ -6,17 +6,37 @@ An attribute the averages do not have is looked up here (``__getattr__`` runs on
 this costs the averages' own attributes nothing): a peer's name raises ``AttributeError`` saying what it is there
 and what it is here; any other name raises Python's usual message.
 
-``EMA.step`` stays a plain ``int``, the count of ``update`` calls, so diffusers' ``ema.step(parameters)`` gets
-Python's ``'int' object is not callable``: an ``int`` subclass answering the call would be pickled as that class,
-which ``torch.load(weights_only=True)`` refuses in any process that has not imported it, and a count saved in a
-user's checkpoint must load anywhere.
+``EMA.step``, the count of ``update`` calls, is an ``UpdateCount``: an ``int`` in every use (arithmetic, compares,
+format, ``json``), which answers diffusers' ``ema.step(model.parameters())`` naming ``ema.update(model)``. It is made
+on each read from the plain ``int`` the average keeps, and ``state_dict`` saves that plain ``int``, so the counts in
+our states load anywhere. A raw ``ema.step`` saved by the user pickles as this class: ``torch.load(weights_only=True)``
+takes it where ``copy_correct`` is imported (it is registered as a safe global here), and refuses it, naming it,
+elsewhere: save ``int(ema.step)`` for a file that must load without this package.
 """
 
 from __future__ import annotations
 
 from typing import NoReturn
 
-__all__ = ["EMA_NAMES", "POWER_EMA_NAMES", "missing", "not_callable"]
+import torch
+
+__all__ = ["EMA_NAMES", "POWER_EMA_NAMES", "UpdateCount", "missing", "not_callable"]
+
+
+class UpdateCount(int):
+    """``EMA.step``: the number of ``update`` calls, an ``int``; called as diffusers' ``EMAModel.step`` is, it
+    raises naming ours."""
+
+    __slots__ = ()
+
+    def __call__(self, *args: object, **kwargs: object) -> NoReturn:
+        raise TypeError(
+            f"ema.step is the number of update calls ({int(self)}), not diffusers' EMAModel.step: average the model "
+            "with ema.update(model), which takes the module, not its parameters()"
+        )
+
+
+torch.serialization.add_safe_globals([UpdateCount])  # a raw ema.step a user saved loads where this is imported
 
 # name -> (whose it is and what it does there, what to use here); {cls} is the class's name
 EMA_NAMES = {
