@@ -7,15 +7,19 @@ Copy contract: none; a schedule holds numbers and computes floats (``at``) or wr
 The update ``k`` (0-based, counting averaging updates) uses ``decay_at(k)``:
 
 * ``warmup=False``: ``decay`` from the first update (the average starts from the weights it was built with);
-* every warm-up copies at ``k = 0`` (decay 0: the average starts from the weights of its first update), then:
-  ``"copy"``: ``decay``; ``"power"`` (``True``): ``1 - (1 + (k + warmup_offset) / warmup_gamma) ** -warmup_power``;
-  ``"ratio"``: ``(1 + k) / (10 + k)``; each ramp clipped to ``[min_decay, decay]``.
+* every warm-up but ``"half_life"`` copies at ``k = 0`` (decay 0: the average starts from the weights of its first
+  update), then: ``"copy"``: ``decay``; ``"power"`` (``True``): ``1 - (1 + (k + warmup_offset) / warmup_gamma) **
+  -warmup_power``; ``"ratio"``: ``(1 + k) / (10 + k)``;
+* ``"half_life"`` (torchtitan's): ``2 ** (-1 / (half_life * max(k + warmup_offset, 1)))`` from ``k = 0``, a half-life of
+  ``half_life`` times the updates so far (0.05: the last twentieth of them weigh half the average);
+* each ramp clipped to ``[min_decay, decay]``.
 
 Each peer's schedule is one of these (``copy_correct.averages.peer_schedules`` maps their arguments; ``tests/peers``
 compares the sequences with the peers' own code): timm's ``ModelEmaV3`` given ``step=`` (``"copy"``, or ``"power"`` with
 ``use_warmup``), diffusers' ``EMAModel`` (``"ratio"``, or ``"power"`` with ``use_ema_warmup``), ema-pytorch's ``EMA``
 (``"power"``; ``warmup_offset`` places its ramp, counted from ``update_after_step``, on our grid of updates), torch's
-``AveragedModel`` with ``get_ema_multi_avg_fn`` and Lightning's ``EMAWeightAveraging`` (``"copy"``). The arithmetic is
+``AveragedModel`` with ``get_ema_multi_avg_fn`` and Lightning's ``EMAWeightAveraging`` (``"copy"``), torchtitan's
+``EMAOptimizersContainer`` (``"half_life"``, or ``"none"`` given a ``decay``). The arithmetic is
 float64 in a fixed order; with ``warmup_gamma=1`` and ``warmup_offset=0`` the power ramp is the one ``EMA`` has always
 used, bit for bit.
 """
@@ -33,7 +37,7 @@ from copy_correct.core.checks import number, real, shown
 __all__ = ["WARMUPS", "DecaySchedule", "schedule_differences", "warmup_name"]
 
 # the warm-ups by name; True is "power", False "none"
-WARMUPS = ("none", "copy", "power", "ratio")
+WARMUPS = ("none", "copy", "power", "ratio", "half_life")
 
 
 def warmup_name(warmup: Any) -> str:
@@ -57,6 +61,7 @@ class DecaySchedule:
     warmup_gamma: float = 1.0
     warmup_offset: float = 0.0
     min_decay: float = 0.0
+    half_life: float = 0.05
 
     def __post_init__(self) -> None:
         set_field = object.__setattr__  # frozen: the checked values replace the given ones once, here
@@ -69,6 +74,7 @@ class DecaySchedule:
             raise ValueError(f"warmup_offset must be a finite number > -1, got {self.warmup_offset!r}")
         set_field(self, "warmup_offset", offset)
         set_field(self, "min_decay", number("min_decay", self.min_decay, "[0, 1)"))
+        set_field(self, "half_life", number("half_life", self.half_life, "(0, inf)"))
         if self.min_decay > self.decay:
             raise ValueError(f"min_decay ({self.min_decay}) must not exceed decay ({self.decay})")
 
@@ -76,11 +82,13 @@ class DecaySchedule:
         """The decay of averaging update ``k`` (0-based)."""
         if self.warmup == "none":
             return self.decay
-        if k == 0:
+        if self.warmup == "half_life":
+            ramp = 2.0 ** (-1.0 / (self.half_life * max(k + self.warmup_offset, 1.0)))
+        elif k == 0:
             return 0.0
-        if self.warmup == "copy":
+        elif self.warmup == "copy":
             return self.decay
-        if self.warmup == "power":
+        elif self.warmup == "power":
             ramp = 1.0 - (1.0 + (k + self.warmup_offset) / self.warmup_gamma) ** -self.warmup_power
         else:
             ramp = (1.0 + k) / (10.0 + k)
@@ -100,6 +108,13 @@ class DecaySchedule:
                 torch.add(scratch, 1.0, out=scratch)
                 torch.pow(scratch, -self.warmup_power, out=scratch)
                 torch.sub(one, scratch, out=out)  # the ramp
+            elif self.warmup == "half_life":
+                torch.add(k, self.warmup_offset, out=scratch)
+                scratch.clamp_min_(1.0)
+                torch.mul(scratch, self.half_life, out=scratch)
+                torch.reciprocal(scratch, out=scratch)
+                scratch.neg_()  # -1 / (half_life * max(k + offset, 1)): a negation is exact
+                torch.pow(2.0, scratch, out=out)  # the ramp
             else:
                 torch.add(k, 1.0, out=scratch)
                 torch.add(k, 10.0, out=out)
@@ -107,7 +122,7 @@ class DecaySchedule:
             out.clamp_max_(self.decay)
             out.clamp_min_(self.min_decay)
             torch.sub(one, out, out=out)  # 1 - decay
-        if self.warmup != "none":
+        if self.warmup not in ("none", "half_life"):
             torch.eq(k, 0.0, out=scratch)  # 1.0 at update 0, else 0.0
             torch.maximum(out, scratch, out=out)  # update 0 copies (weight 1); others keep 1 - decay, which is > 0
 

@@ -61,7 +61,8 @@ class EMA(Shadows):
             default: the first update copies the weights, so the average never keeps the ones it was built from;
             ``False``: ``decay`` from the first update, see ``initial_share``); or a peer's warm-up by name
             (``schedule``: ``copy_correct.averages.peer_schedules``), with ``warmup_gamma``, ``warmup_offset``,
-            ``min_decay``.
+            ``min_decay``; ``"half_life"``: torchtitan's ``2 ** (-1 / (half_life * k))``, no first copy.
+        half_life: the half-life of ``warmup="half_life"``, a fraction of the updates so far.
         warmup_power: exponent of the ramp (2/3 reaches 0.999 after about 31,000 updates).
         update_every: average on every n-th call of ``update`` (the others are free).
         start_step: before this many ``update`` calls, the shadow copies the weights instead of averaging.
@@ -100,6 +101,7 @@ class EMA(Shadows):
         warmup_gamma: float = 1.0,
         warmup_offset: float = 0.0,
         min_decay: float = 0.0,
+        half_life: float = 0.05,
         update_every: int = 1,
         start_step: int = 0,
         include_buffers: bool = True,
@@ -168,6 +170,13 @@ class EMA(Shadows):
         decay is 0), else ``decay ** num_updates``. From the host's counters: no tensor is read."""
         if self.num_updates == 0:
             return 1.0
+        if self.warmup == "half_life":  # no first copy: the product of the decays so far, until it is nothing
+            share = 1.0
+            for k in range(self.num_updates):
+                share *= self.schedule.at(k)
+                if share < 1e-12:
+                    return share
+            return share
         return 0.0 if self.warmup != "none" else self.decay**self.num_updates  # a warm-up's decay_at(0) is 0
 
     def _check_share(self, stacklevel: int) -> None:

@@ -2,7 +2,8 @@
 calls where the peer does, with the decays it applies.
 
 Copy contract: none; each function checks numbers and returns a new dict of ``EMA`` keyword arguments (``decay``,
-``warmup``, ``warmup_power``, ``warmup_gamma``, ``warmup_offset``, ``min_decay``, ``update_every``, ``start_step``).
+``warmup``, ``warmup_power``, ``warmup_gamma``, ``warmup_offset``, ``min_decay``, ``half_life``, ``update_every``,
+``start_step``; torchtitan's also the tensors it averages: ``trainable_only=True``, ``include_buffers=False``).
 Settings a peer's mode does not read come back as ``DecaySchedule``'s defaults, so two calls that schedule alike give
 equal dicts.
 
@@ -14,13 +15,14 @@ to 10**7 with each peer's own code, and the averages of a small trained model.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from copy_correct.core.checks import flag, integer, number
 
-__all__ = ["diffusers_schedule", "ema_pytorch_schedule", "lightning_schedule", "timm_schedule"]
+__all__ = ["diffusers_schedule", "ema_pytorch_schedule", "lightning_schedule", "timm_schedule", "torchtitan_schedule"]
 
-_UNREAD = {"warmup_power": 2 / 3, "warmup_gamma": 1.0, "warmup_offset": 0.0, "min_decay": 0.0}
+_UNREAD = {"warmup_power": 2 / 3, "warmup_gamma": 1.0, "warmup_offset": 0.0, "min_decay": 0.0, "half_life": 0.05}
 
 
 def _schedule(decay: float, warmup: str, start_step: int, update_every: int = 1, **ramp: float) -> dict[str, Any]:
@@ -184,3 +186,40 @@ def lightning_schedule(
     every = integer("update_every_n_steps", update_every_n_steps, 1)
     start = 0 if update_starting_at_step is None else integer("update_starting_at_step", update_starting_at_step, 0)
     return _schedule(decay, "copy", -(-start // every) * every, every)
+
+
+def torchtitan_schedule(
+    decay: float | None = None,
+    half_life_fraction: float = 0.05,
+    start_step: int = 0,
+    step_bias: int = 0,
+    update_every_n_steps: int = 1,
+) -> dict[str, Any]:
+    """torchtitan's ``EMAOptimizersContainer`` (its defaults), stepped as its trainer does: ``step(current_step)``
+    after optimizer step ``current_step = 1, 2, ...``, i.e. ``current_step = c + 1`` at our call ``c``; and what it
+    averages, the parameters that require grad (``trainable_only=True``, ``include_buffers=False``).
+
+    torchtitan updates at each ``current_step >= start_step`` with ``(current_step - start_step) %
+    update_every_n_steps == 0``, with ``decay`` or, without one, ``2 ** (-1 / (half_life_fraction * n))``, ``n =
+    max((current_step - start_step + step_bias) // update_every_n_steps, 1)``, and never copies: ours with
+    ``start_step`` the first such call, ``update_every=update_every_n_steps`` and warm-up ``"half_life"`` (or
+    ``"none"`` with its ``decay``), whose update ``k`` has ``n = max(k + warmup_offset, 1)``, ``warmup_offset`` the
+    firings before our first (1 where torchtitan's ``start_step`` is 0: its first firing is its ``n``-th step) plus
+    ``step_bias // update_every_n_steps``. The decay is the same float64 expression and both lerp by ``1 - decay``, so
+    from the first update on the averages are equal bit for bit; ``decay`` (ours, the ramp's ceiling) is the largest
+    float below 1, which the ramp never reaches.
+
+    Where the averages can differ: before ``start_step`` torchtitan's average is the weights it was built with, ours
+    the weights of the current call (its first update then weighs them by ``2 ** (-1 / half_life_fraction)``, under
+    1e-6 at 0.05).
+    """
+    every = integer("update_every_n_steps", update_every_n_steps, 1)
+    first = integer("start_step", start_step, 0)
+    bias = integer("step_bias", step_bias, 0)
+    start = first - 1 if first >= 1 else every - 1  # our first call c with c + 1 = first + j * every, j >= 0
+    ramp = {"half_life": number("half_life_fraction", half_life_fraction, "(0, inf)")}
+    ramp["warmup_offset"] = float((start + 1 - first) // every + bias // every)
+    selection = {"trainable_only": True, "include_buffers": False}
+    if decay is not None:
+        return _schedule(number("decay", decay, "[0, 1)"), "none", start, every) | selection
+    return _schedule(math.nextafter(1.0, 0.0), "half_life", start, every, **ramp) | selection

@@ -56,9 +56,15 @@ def cloned(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         (DecaySchedule(0.1, "ratio"), [0.0, 0.1, 0.1]),
         (DecaySchedule(0.999, True), [0.0, 1 - 2 ** (-2 / 3), 1 - 3 ** (-2 / 3)]),
         (DecaySchedule(0.999, "power", 0.75, 2.0, 0.5), [0.0, 1 - 1.75**-0.75, 1 - 2.25**-0.75]),
+        (DecaySchedule(0.9999, "half_life", half_life=0.05), [2.0**-20, 2.0**-20, 2.0**-10]),
+        (DecaySchedule(0.9999, "half_life", warmup_offset=1.0, half_life=0.5), [0.25, 0.5, 2 ** (-2 / 3)]),
+        (DecaySchedule(0.4, "half_life", half_life=0.5), [0.25, 0.25, 0.4]),
     ],
-    ids=["none", "copy", "ratio", "ratio-min_decay", "ratio-capped", "power", "power-gamma-offset"],
-)
+    ids=[
+        "none", "copy", "ratio", "ratio-min_decay", "ratio-capped", "power", "power-gamma-offset", "half_life",
+        "half_life-offset", "half_life-capped",
+    ],
+)  # fmt: skip
 def test_each_schedule_is_its_formula(schedule: DecaySchedule, expected: list[float]) -> None:
     assert [schedule.at(k) for k in range(3)] == pytest.approx(expected, rel=1e-15, abs=0)
 
@@ -74,8 +80,9 @@ def test_the_default_schedule_is_todays_ramp_bit_for_bit() -> None:
         {"warmup": "ratio", "decay": 0.99, "min_decay": 0.3},
         {"warmup": "copy", "decay": 0.9},
         {"warmup": "power", "decay": 0.999, "warmup_gamma": 3.0, "warmup_offset": 0.5, "min_decay": 0.1},
+        {"warmup": "half_life", "decay": 0.9999, "half_life": 0.5, "warmup_offset": 1.0},
     ],
-    ids=["ratio", "copy", "power"],
+    ids=["ratio", "copy", "power", "half_life"],
 )
 @pytest.mark.parametrize("device", DEVICES)
 def test_the_guarded_update_computes_each_schedule_as_the_host_does(device: str, kwargs: dict) -> None:
@@ -90,6 +97,32 @@ def test_the_guarded_update_computes_each_schedule_as_the_host_does(device: str,
     train(model, plain, 1, seed=99)
     control.update(model)
     assert not same(control.shadow, plain.shadow)
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        DecaySchedule(0.99, False),
+        DecaySchedule(0.99, "copy"),
+        DecaySchedule(0.9999, "ratio", min_decay=0.2),
+        DecaySchedule(0.999, "power", 0.75, 2.0, 0.5, min_decay=0.1),
+        DecaySchedule(0.9999, "half_life", warmup_offset=1.0, half_life=0.5),
+    ],
+    ids=["none", "copy", "ratio", "power", "half_life"],
+)
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_devices_weight_is_one_minus_the_hosts_decay_bit_for_bit_on_the_cpu(
+    device: str, schedule: DecaySchedule
+) -> None:
+    """``write_weight`` (the device guard's ``1 - decay`` from a 0-dim counter, nothing read back) against ``at``;
+    a CUDA ``pow`` may differ in a double's last bit. The control: the first update's weight is not the second's."""
+    one, scratch, out = (torch.ones((), dtype=torch.float64, device=device) for _ in range(3))
+    tolerance = 0.0 if device == "cpu" else 2.0**-52
+    for k in range(40):
+        schedule.write_weight(torch.tensor(float(k), dtype=torch.float64, device=device), out, scratch, one)
+        assert abs(out.item() - (1.0 - schedule.at(k))) <= tolerance, k
+    schedule.write_weight(torch.zeros((), dtype=torch.float64, device=device), out, scratch, one)
+    assert out.item() != 1.0 - schedule.at(1) or schedule.warmup == "none"
 
 
 # -- ema.module: the average as a module ------------------------------------------------------------------

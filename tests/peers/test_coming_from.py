@@ -31,7 +31,7 @@ from copy_correct import EMA, soft_update
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = ROOT / "docs" / "guides" / "coming-from.md"
 # The page's sections with python blocks, and how many each has: a block added or moved is run by a test below.
-SECTIONS = {"timm": 5, "diffusers": 4, "ema-pytorch": 6, "Lightning": 2, "stable-baselines3": 2}
+SECTIONS = {"timm": 5, "diffusers": 4, "ema-pytorch": 6, "Lightning": 2, "torchtitan": 1, "stable-baselines3": 2}
 Namespaces = list[dict[str, Any]]
 
 
@@ -261,6 +261,18 @@ def test_lightning_section(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     assert largest_difference(theirs, mine) < 1e-5
     # Lightning averages the integer counter and truncates it; ours is the live count
     assert theirs["1.num_batches_tracked"] < mine["1.num_batches_tracked"] == 50
+
+
+# -- torchtitan ---------------------------------------------------------------------------------------------------
+
+
+def test_torchtitan_section(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (names,) = run_section("torchtitan", tmp_path, monkeypatch)
+    ema, model = names["ema"], names["model"]
+    # its decay at firing n is 2 ** (-1 / (0.05 * n)), from the first step, which does not copy
+    assert [ema.decay_at(k) for k in range(100)] == [2.0 ** (-1.0 / (0.05 * n)) for n in range(1, 101)]
+    # the parameters that require grad, no buffer
+    assert sorted(ema.shadow) == sorted(name for name, _ in model.named_parameters())
 
 
 # -- stable-baselines3 ------------------------------------------------------------------------------------------

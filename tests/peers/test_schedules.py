@@ -24,6 +24,7 @@ from copy_correct.averages.peer_schedules import (
     ema_pytorch_schedule,
     lightning_schedule,
     timm_schedule,
+    torchtitan_schedule,
 )
 
 DENSE = 20_000
@@ -190,6 +191,80 @@ def test_lightning_decays_are_ours_exactly(args: dict[str, Any]) -> None:
 def test_lightning_refuses_an_epoch_start() -> None:
     with pytest.raises(ValueError, match="update_starting_at_epoch=2 updates at epoch ends"):
         lightning_schedule(update_starting_at_epoch=2)
+
+
+# -- torchtitan ---------------------------------------------------------------------------------------------------
+# torchtitan is not a pip package; ``Titan`` is its ``EMAOptimizersContainer.step`` and ``_decay_at`` (torchtitan
+# ``torchtitan/components/ema.py``, PR #3985) written out: the EMA a clone at construction, then at each
+# ``current_step`` a lerp by ``1 - decay`` of the parameters that require grad, or nothing.
+
+TORCHTITAN = [
+    {},
+    {"half_life_fraction": 0.1, "start_step": 100},
+    {"half_life_fraction": 0.05, "update_every_n_steps": 4},
+    {"half_life_fraction": 0.02, "start_step": 7, "update_every_n_steps": 3, "step_bias": 10},
+    {"decay": 0.999, "start_step": 5, "update_every_n_steps": 2},
+    {"half_life_fraction": 0.2, "step_bias": 5},
+    {"decay": 0.99},
+]
+
+
+class Titan:
+    """torchtitan's EMA of ``model``'s trainable parameters, stepped with ``step(current_step)``."""
+
+    def __init__(self, model: nn.Module | None, **config: Any) -> None:
+        self.decay, self.half_life = config.get("decay"), config.get("half_life_fraction", 0.05)
+        self.start, self.bias = config.get("start_step", 0), config.get("step_bias", 0)
+        self.every = config.get("update_every_n_steps", 1)
+        self.params = [] if model is None else [p for p in model.parameters() if p.requires_grad]
+        self.ema = [p.detach().clone() for p in self.params]
+
+    def decay_at(self, current_step: int) -> float | None:
+        """The decay of the update at ``current_step``, or ``None`` where it makes none."""
+        if current_step < self.start or (current_step - self.start) % self.every:
+            return None
+        if self.decay is not None:
+            return self.decay
+        num_updates = max((current_step - self.start + self.bias) // self.every, 1)
+        return 2.0 ** (-1.0 / (self.half_life * num_updates))
+
+    def step(self, current_step: int) -> None:
+        decay = self.decay_at(current_step)
+        if decay is not None:
+            torch._foreach_lerp_(self.ema, [p.detach() for p in self.params], 1.0 - decay)
+
+
+@pytest.mark.parametrize("args", TORCHTITAN, ids=str)
+def test_torchtitan_decays_are_ours_exactly(args: dict[str, Any]) -> None:
+    schedule, titan = torchtitan_schedule(**args), Titan(None, **args)
+    start = schedule["start_step"]
+    peer = [titan.decay_at(c + 1) for c in CALLS]
+    assert first_difference(CALLS, iter(peer), ours(schedule, CALLS), start=start) is None
+    assert set(peer[:start]) <= {None}  # torchtitan holds the weights it was built with until then, we copy
+    shifted = schedule | {"warmup_offset": schedule["warmup_offset"] + 1}  # control: its count one update ahead
+    late = schedule | {"start_step": start + schedule["update_every"]}  # control: its first update missed
+    for control in (shifted, late) if args.get("decay") is None else (late,):
+        assert first_difference(CALLS, iter(peer), ours(control, CALLS), start=start) is not None
+
+
+@pytest.mark.parametrize("args", [a for a in TORCHTITAN if torchtitan_schedule(**a)["start_step"] == 0], ids=str)
+def test_torchtitan_averages_are_ours_bit_for_bit(args: dict[str, Any]) -> None:
+    """From a start at the first step: the same lerps of the same weights, so the same averages; a frozen layer and
+    the BatchNorm statistics, which torchtitan leaves out, are left out of ours too."""
+    model, step = trained(6)
+    model[3].requires_grad_(False)
+    peer = Titan(model, **args)
+    mine = EMA(model, **torchtitan_schedule(**args))
+    control = EMA(model, **torchtitan_schedule(**args) | {"warmup": "power"})  # another ramp
+    for current_step in range(1, 301):
+        step()
+        peer.step(current_step)
+        mine.update()
+        control.update()
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    assert sorted(mine.shadow) == sorted(names)
+    assert all(torch.equal(theirs, mine.shadow[name]) for name, theirs in zip(names, peer.ema, strict=True))
+    assert largest_difference(dict(zip(names, peer.ema, strict=True)), control.shadow) > 1e-4
 
 
 # -- every call up to 10**7 ---------------------------------------------------------------------------------------
