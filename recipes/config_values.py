@@ -249,6 +249,7 @@ ALLOWED: dict[str, Rule] = {
     "callbacks.*.every_n_steps": Whole(1),
     "callbacks.ema.decay": Real("[0, 1)"),
     "callbacks.ema.warmup": Warmup(),
+    "callbacks.ema.update_bn": Flag(),
     "callbacks.posthoc_ema.sigma_rels": Reals("(0, 0.2887)"),
     "callbacks.posthoc_ema.snapshot_every": Whole(1),
     # data (conf/data/*.yaml, conf/recipe/metrics.yaml and pinned.yaml)

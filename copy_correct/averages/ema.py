@@ -26,7 +26,7 @@ Copy contract (the shadows themselves, copies and model checks: ``copy_correct.a
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from copy import deepcopy
 from typing import Any, ClassVar
@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from copy_correct.averages.average_module import average_module
+from copy_correct.averages.batch_norm import first_item, recompute_statistics
 from copy_correct.averages.peer_calls import EMA_NAMES, UpdateCount
 from copy_correct.averages.selection import Exclude
 from copy_correct.averages.settings import ema_settings
@@ -152,6 +153,29 @@ class EMA(Shadows):
             self._module = average_module(tracked, self.shadow)
             self._module.register_load_state_dict_pre_hook(_counterless_load)
         return self._module
+
+    def update_bn(
+        self,
+        loader: Iterable[Any],
+        *,
+        batches: int | None = None,
+        to_input: Callable[[Any], Any] = first_item,
+        device: str | torch.device | None = None,
+    ) -> int:
+        """Recompute the average's BatchNorm running statistics by forward passes of the averaged weights (``module``)
+        over ``loader``, as ``torch.optim.swa_utils.update_bn`` does for a model (``copy_correct.averages.batch_norm``),
+        into the shadow; the live model is not touched, and the next ``update`` averages on from them. ``batches``:
+        at most this many; ``to_input``: a batch to the module's input (default: a list's or tuple's first item);
+        ``device``: where the inputs go. The number of batches run. Refused in one line: inside ``average_weights``,
+        for a sharded model, and for an average that does not keep the statistics."""
+        if self._swap is not None:
+            raise RuntimeError("EMA.update_bn inside EMA.average_weights: call it before or after the block")
+        if self.sharded:
+            raise RuntimeError("EMA.update_bn runs the average as a module, which a sharded (FSDP2) EMA cannot make")
+        if batches is not None:
+            batches = integer("batches", batches, 1)
+        target = torch.device(device) if device is not None else None
+        return recompute_statistics(self.module, self.shadow, loader, batches=batches, to_input=to_input, device=target)
 
     def _live_groups(self, model: nn.Module | None) -> list[tuple[Group, list[torch.Tensor]]]:
         self._tracked(model)

@@ -38,6 +38,7 @@ import torch
 from copy_correct.averages.ema import EMA
 from copy_correct.averages.settings import defaults, ema_settings
 from copy_correct.averages.shadow import copy_into, misfit
+from copy_correct.core.checks import flag, shown
 from copy_correct.core.sharding import reshard
 from copy_correct.errors import CheckpointMismatch
 from copy_correct.lightning._averaging_callback import (
@@ -60,12 +61,13 @@ from copy_correct.lightning._lightning_internals import (
     remove_run,
     unsupported,
 )
+from copy_correct.lightning._rank_zero_buffers import RankZeroBuffers
 from copy_correct.lightning._skip_log import SkipLog
 
 __all__ = ["EMAWeights"]
 
 _EMA_DEFAULTS = defaults(EMA)  # EMA's arguments but the model and their defaults, read from its signature once
-_OWN = ("evaluate", "suffix", "checkpoint_weights", "ema_weights_at_end", "module")
+_OWN = ("evaluate", "suffix", "checkpoint_weights", "ema_weights_at_end", "module", "update_bn")
 _EVALUATE = ("both", "ema", "live")
 _CHECKPOINT_WEIGHTS = ("ema", "live")
 _NEEDS = {  # the Lightning internals each evaluation mode goes through
@@ -78,8 +80,10 @@ _NEEDS = {  # the Lightning internals each evaluation mode goes through
 class EMAWeights(AveragingCallback):
     """Args: ``decay`` and, as keywords, the other arguments of ``EMA`` (``warmup`` … ``skip_nonfinite``: ``ema``,
     checked here as ``EMA`` checks them, without building one), plus ``evaluate``, ``suffix``, ``checkpoint_weights``,
-    ``ema_weights_at_end`` and ``module`` (an attribute path of the LightningModule, ``"generator"``; ``None``: all of
-    it)."""
+    ``ema_weights_at_end``, ``module`` (an attribute path of the LightningModule, ``"generator"``; ``None``: all of
+    it) and ``update_bn`` (``True``: before each EMA evaluation in ``fit``, the average's BatchNorm statistics are
+    recomputed over the fit's train dataloader, ``EMA.update_bn``, and rank 0's given to every rank; ``validate`` and
+    ``test`` use them as they stand)."""
 
     _owner, _state_name = "EMAWeights", "ema"
     _named = ("shadow", "layout")  # the EMA state's mappings by name: the LightningModule's names in checkpoints
@@ -93,6 +97,7 @@ class EMAWeights(AveragingCallback):
         checkpoint_weights: str = "ema",
         ema_weights_at_end: bool = False,
         module: str | None = None,
+        update_bn: bool = False,
         **ema: Any,
     ) -> None:
         if evaluate not in _EVALUATE:
@@ -108,6 +113,8 @@ class EMAWeights(AveragingCallback):
         self.suffix = suffix
         self.checkpoint_weights = checkpoint_weights
         self.ema_weights_at_end = ema_weights_at_end
+        self.update_bn = flag("update_bn", update_bn)
+        self._bn_broadcast = RankZeroBuffers()  # the recomputed statistics, rank 0's to every rank
         super().__init__(module, SkipLog("ema/skipped", "EMA"), {"decay": decay})
         self.ema: EMA | None = None
         self._wrapped: list[Any] = []  # the evaluation loops whose run setup wrapped, for teardown
@@ -126,7 +133,10 @@ class EMAWeights(AveragingCallback):
         """What ``pickle`` and ``copy.deepcopy`` copy: the settings, the step and the EMA (a copy that tracks no model
         until the next ``fit``, ``validate`` or ``test`` gives it the module: ``copy_correct.averages.ema``), not the
         trainer, the wrappers ``setup`` installed in it, nor an evaluation in progress."""
-        return {**super().__getstate__(), "_wrapped": [], "_in_run": False, "_pass": None}
+        return {
+            **super().__getstate__(), "_wrapped": [], "_in_run": False, "_pass": None,
+            "_bn_broadcast": RankZeroBuffers(),
+        }  # fmt: skip
 
     # -- wiring the evaluation passes -------------------------------------------------------------------
 
@@ -181,6 +191,8 @@ class EMAWeights(AveragingCallback):
             if trainer.sanity_checking:
                 return run()
             ema = self._ensure_ema(pl_module)
+            if self.update_bn and trainer.state.fn == "fit":
+                self._recompute_statistics(trainer, pl_module, ema)
             if self.evaluate == "ema":
                 return self._run_pass(EMAPass(trainer, pl_module, ema, None), run)
             held: dict[str, Any] = {}
@@ -198,6 +210,17 @@ class EMAWeights(AveragingCallback):
             return results
 
         return run_with_ema
+
+    def _recompute_statistics(self, trainer: pl.Trainer, pl_module: pl.LightningModule, ema: EMA) -> None:
+        """``update_bn``: the average's BatchNorm statistics over the fit's train dataloader, then rank 0's on every
+        rank (each rank's loader holds its own share of the data)."""
+        loader = trainer.train_dataloader
+        if loader is None or isinstance(loader, (Mapping, list, tuple)):
+            raise ValueError(
+                f"EMAWeights(update_bn=True) recomputes the statistics over one train dataloader, got {shown(loader)}"
+            )
+        ema.update_bn(loader, device=pl_module.device)
+        self._bn_broadcast.sync(trainer, ema.module)
 
     def _run_pass(self, ema_pass: EMAPass, run: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]]:
         self._pass = ema_pass

@@ -1,0 +1,90 @@
+"""``recompute_statistics``: the BatchNorm running statistics of an average, recomputed by forward passes of the
+averaged weights, as ``torch.optim.swa_utils.update_bn`` recomputes a model's.
+
+Why: an average's BatchNorm statistics averaged step by step are not the statistics of the averaged weights (the
+activations they normalise come from other weights), which is why torch's SWA recomputes them and ema-pytorch #29
+asks for it. Each BatchNorm's statistics are reset and its momentum set to ``None`` (a cumulative average over the
+batches), the module runs in training mode over the loader under ``no_grad``, and the momenta and modes are put back.
+
+Copy contract: the module given is ``EMA.module``, whose buffers are the shadow's own tensors, so the statistics are
+written into the average in place and nothing else: the live model, its statistics and its parameters are not
+touched, and nothing is allocated beyond the forward passes' activations. Autograd sees nothing.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+__all__ = ["batch_norms", "first_item", "recompute_statistics"]
+
+_NONE = object()
+
+
+def first_item(batch: Any) -> Any:
+    """A batch's input, as ``swa_utils.update_bn`` takes it: the first item of a list or tuple, else the batch."""
+    return batch[0] if isinstance(batch, (list, tuple)) else batch
+
+
+def batch_norms(module: nn.Module) -> dict[str, _BatchNorm]:
+    """The BatchNorm layers of ``module`` that keep running statistics, by name."""
+    return {
+        name: layer
+        for name, layer in module.named_modules()
+        if isinstance(layer, _BatchNorm) and layer.track_running_stats
+    }
+
+
+def recompute_statistics(
+    module: nn.Module,
+    averaged: Mapping[str, torch.Tensor],
+    loader: Iterable[Any],
+    *,
+    batches: int | None,
+    to_input: Callable[[Any], Any],
+    device: torch.device | None,
+) -> int:
+    """Recompute the statistics of ``module``'s BatchNorm layers over ``loader`` (at most ``batches`` batches, each
+    through ``to_input``, moved to ``device`` when given); the number of batches run. ``averaged`` are the average's
+    tensors by name: a layer whose statistics are not among them (shared with the live model) is refused in one line,
+    before anything is written; so are a module with no BatchNorm statistics and a loader with no batch."""
+    layers = batch_norms(module)
+    if not layers:
+        raise ValueError(f"update_bn: {type(module).__name__} has no BatchNorm with running statistics to recompute")
+    missing = [f"{name}.running_mean" for name in layers if f"{name}.running_mean" not in averaged]
+    if missing:
+        raise ValueError(
+            f"update_bn writes the average's BatchNorm statistics, and {missing[0]!r} is not averaged (include_buffers"
+            "=False, trainable_only or exclude left it out): build the EMA with those buffers, or recompute a model's "
+            "own statistics with torch.optim.swa_utils.update_bn"
+        )
+    iterator = iter(loader)
+    first = next(iterator, _NONE)
+    if first is _NONE or batches == 0:
+        raise ValueError("update_bn: the loader gave no batch, and statistics of no batch would be none")
+    momenta = {layer: layer.momentum for layer in layers.values()}
+    modes = {layer: layer.training for layer in module.modules()}
+    count = 0
+    try:
+        with torch.no_grad():
+            for layer in layers.values():
+                layer.reset_running_stats()
+                layer.momentum = None  # a cumulative average over the batches
+            module.train()
+            for batch in itertools.chain([first], iterator):
+                if batches is not None and count >= batches:
+                    break
+                inputs = to_input(batch)
+                module(inputs.to(device) if device is not None else inputs)
+                count += 1
+    finally:
+        for layer, momentum in momenta.items():
+            layer.momentum = momentum
+        for layer, training in modes.items():
+            layer.training = training
+    return count
