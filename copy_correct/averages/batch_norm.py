@@ -8,7 +8,10 @@ batches), the module runs in training mode over the loader under ``no_grad``, an
 
 Copy contract: the module given is ``EMA.module``, whose buffers are the shadow's own tensors, so the statistics are
 written into the average in place and nothing else: the live model, its statistics and its parameters are not
-touched, and nothing is allocated beyond the forward passes' activations. Autograd sees nothing.
+touched, and nothing is allocated beyond the forward passes' activations. The random number generators (the CPU's,
+and the CUDA devices' the average lives on) are restored afterwards, so the numbers the loader's shuffling and any
+dropout drew are drawn again by the training that follows: a run with ``update_bn`` trains as one without. Autograd
+sees nothing.
 """
 
 from __future__ import annotations
@@ -63,10 +66,24 @@ def recompute_statistics(
             "=False, trainable_only or exclude left it out): build the EMA with those buffers, or recompute a model's "
             "own statistics with torch.optim.swa_utils.update_bn"
         )
-    iterator = iter(loader)
-    first = next(iterator, _NONE)
-    if first is _NONE or batches == 0:
-        raise ValueError("update_bn: the loader gave no batch, and statistics of no batch would be none")
+    devices = sorted({t.device.index or 0 for t in averaged.values() if t.device.type == "cuda"})
+    with torch.random.fork_rng(devices=devices):  # the loader's shuffling and any dropout draw from a copy
+        iterator = iter(loader)
+        first = next(iterator, _NONE)
+        if first is _NONE or batches == 0:
+            raise ValueError("update_bn: the loader gave no batch, and statistics of no batch would be none")
+        return _run(module, layers, itertools.chain([first], iterator), batches, to_input, device)
+
+
+def _run(
+    module: nn.Module,
+    layers: Mapping[str, _BatchNorm],
+    batches_given: Iterable[Any],
+    batches: int | None,
+    to_input: Callable[[Any], Any],
+    device: torch.device | None,
+) -> int:
+    """The statistics reset, then the passes in training mode under ``no_grad``; momenta and modes put back."""
     momenta = {layer: layer.momentum for layer in layers.values()}
     modes = {layer: layer.training for layer in module.modules()}
     count = 0
@@ -76,7 +93,7 @@ def recompute_statistics(
                 layer.reset_running_stats()
                 layer.momentum = None  # a cumulative average over the batches
             module.train()
-            for batch in itertools.chain([first], iterator):
+            for batch in batches_given:
                 if batches is not None and count >= batches:
                     break
                 inputs = to_input(batch)

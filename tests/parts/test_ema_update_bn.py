@@ -97,3 +97,18 @@ def test_an_average_without_the_statistics_a_model_without_batchnorm_and_an_empt
     assert all(torch.equal(before[name], t) for name, t in ema.shadow.items())  # nothing reset
     with pytest.raises(RuntimeError, match=r"inside EMA\.average_weights"), ema.average_weights(model):
         ema.update_bn(loader())
+
+
+def test_the_random_numbers_drawn_for_it_are_drawn_again_after() -> None:
+    """A shuffled loader and dropout draw from the generator; afterwards it is where it was, so training goes on
+    as without the call. The control: the same passes through torch's own ``update_bn`` move it."""
+    _, ema = trained_with_average("cpu")
+    shuffled = DataLoader(TensorDataset(torch.randn(64, 8)), batch_size=16, shuffle=True)
+    torch.manual_seed(5)
+    ema.update_bn(shuffled)
+    after = torch.rand(3)
+    torch.manual_seed(5)
+    assert torch.equal(torch.rand(3), after)
+    torch.manual_seed(5)
+    update_bn(shuffled, ema.export())
+    assert not torch.equal(torch.rand(3), after)
