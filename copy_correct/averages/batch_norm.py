@@ -9,9 +9,9 @@ batches), the module runs in training mode over the loader under ``no_grad``, an
 Copy contract: the module given is ``EMA.module``, whose buffers are the shadow's own tensors, so the statistics are
 written into the average in place and nothing else: the live model, its statistics and its parameters are not
 touched, and nothing is allocated beyond the forward passes' activations. The random number generators (the CPU's,
-and the CUDA devices' the average lives on) are restored afterwards, so the numbers the loader's shuffling and any
-dropout drew are drawn again by the training that follows: a run with ``update_bn`` trains as one without. Autograd
-sees nothing.
+the CUDA devices' the average lives on, and a ``DataLoader``'s own ``generator=`` and its sampler's) are restored
+afterwards, so the numbers the loader's shuffling and any dropout drew are drawn again by the training that follows:
+a run with ``update_bn`` trains as one without. Autograd sees nothing.
 """
 
 from __future__ import annotations
@@ -67,12 +67,27 @@ def recompute_statistics(
             "own statistics with torch.optim.swa_utils.update_bn"
         )
     devices = sorted({t.device.index or 0 for t in averaged.values() if t.device.type == "cuda"})
-    with torch.random.fork_rng(devices=devices):  # the loader's shuffling and any dropout draw from a copy
-        iterator = iter(loader)
-        first = next(iterator, _NONE)
-        if first is _NONE or batches == 0:
-            raise ValueError("update_bn: the loader gave no batch, and statistics of no batch would be none")
-        return _run(module, layers, itertools.chain([first], iterator), batches, to_input, device)
+    generators = _generators(loader)
+    states = [generator.get_state() for generator in generators]
+    try:
+        with torch.random.fork_rng(devices=devices):  # the loader's shuffling and any dropout draw from a copy
+            iterator = iter(loader)
+            first = next(iterator, _NONE)
+            if first is _NONE or batches == 0:
+                raise ValueError("update_bn: the loader gave no batch, and statistics of no batch would be none")
+            return _run(module, layers, itertools.chain([first], iterator), batches, to_input, device)
+    finally:
+        for generator, saved in zip(generators, states, strict=True):
+            generator.set_state(saved)
+
+
+def _generators(loader: Any) -> list[torch.Generator]:
+    """The generators a ``DataLoader`` draws its order and its workers' seeds from (``generator=``, its sampler's),
+    each once."""
+    sampler = getattr(loader, "sampler", None)
+    batch_sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
+    found = [getattr(holder, "generator", None) for holder in (loader, sampler, batch_sampler)]
+    return list({id(g): g for g in found if isinstance(g, torch.Generator)}.values())
 
 
 def _run(

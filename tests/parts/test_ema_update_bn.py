@@ -112,3 +112,12 @@ def test_the_random_numbers_drawn_for_it_are_drawn_again_after() -> None:
     torch.manual_seed(5)
     update_bn(shuffled, ema.export())
     assert not torch.equal(torch.rand(3), after)
+    own = torch.Generator().manual_seed(3)  # a loader with its generator of its own, as the recipes' data modules
+    ordered = DataLoader(TensorDataset(torch.randn(64, 8)), batch_size=16, shuffle=True, generator=own)
+    order = [batch[0].sum().item() for batch in ordered]
+    own.manual_seed(3)
+    ema.update_bn(ordered)
+    assert [batch[0].sum().item() for batch in ordered] == order  # the next epoch's order, as without the call
+    own.manual_seed(3)
+    update_bn(ordered, ema.export())  # the control
+    assert [batch[0].sum().item() for batch in ordered] != order
