@@ -377,8 +377,9 @@ class EMA(Shadows):
         return self.schedule.state() | {"update_every": self.update_every, "start_step": self.start_step}
 
     def check_state(self, state: Mapping[str, Any]) -> None:
-        """Raise ``ValueError``, naming the tensor and both sides, unless ``state`` fits this EMA: the same names,
-        spread over the ranks as the model is (``layout``), and the same (full) shapes."""
+        """Raise ``ValueError``, naming the tensor and both sides, unless ``state`` fits this EMA: the same names and
+        (full) shapes, each tensor whole or spread over the ranks as the model is (``check_tensors``: a state saved at
+        another world size is resharded by ``torch.distributed.checkpoint`` into this EMA's ``state_dict()``)."""
         if not isinstance(state, Mapping):
             raise TypeError(f"EMA state must be a mapping (EMA.state_dict()), got {type(state).__name__}")
         saved = state.get("shadow")
@@ -391,7 +392,7 @@ class EMA(Shadows):
                     "states)"
                 )
             raise ValueError("EMA state must hold a 'shadow' mapping of tensor names to tensors (EMA.state_dict())")
-        check_tensors("EMA", saved, self.shadow, recorded=state.get("layout") or {})
+        check_tensors("EMA", saved, self.shadow)
 
     def load_state_dict(self, state: Mapping[str, Any], *, new_schedule: bool = False) -> None:
         """Copy a saved average and counters in place, after ``check_state`` (a sharded EMA takes ``DTensor``s or

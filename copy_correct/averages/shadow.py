@@ -359,12 +359,12 @@ class Shadows:
         return int(self._skipped) if self.skip_nonfinite else 0
 
 
-def check_tensors(
-    kind: str, saved: Mapping[str, torch.Tensor | None], ours: Mapping[str, torch.Tensor], recorded: Any = None
-) -> None:
-    """``ValueError`` naming the tensor and both sides unless ``saved`` has ``ours``' names, (full) shapes and spread
-    over the ranks. ``recorded``: a state's own record of each tensor's spread (``EMA``'s ``layout``), which a full
-    plain tensor must then match too. An entry ``None`` (not read yet) is checked by name only."""
+def check_tensors(kind: str, saved: Mapping[str, torch.Tensor | None], ours: Mapping[str, torch.Tensor]) -> None:
+    """``ValueError`` naming the tensor and both sides unless ``saved`` has ``ours``' names and (full) shapes, each
+    tensor whole (a plain tensor: ``copy_into`` cuts this rank's part of it) or a ``DTensor`` spread as ours is (what
+    ``torch.distributed.checkpoint`` loads into our own ``state_dict()``, resharding a state saved at another world
+    size). A ``DTensor`` spread otherwise cannot be cut here and is refused. An entry ``None`` (not read yet) is
+    checked by name only."""
     absent, unexpected = sorted(set(ours) - set(saved)), sorted(set(saved) - set(ours))
     if absent or unexpected:
         raise ValueError(f"{kind} state does not match the model: missing {absent[:5]}, unexpected {unexpected[:5]}")
@@ -372,15 +372,12 @@ def check_tensors(
         if tensor is None:
             continue
         mine = layout(ours[name])
-        spreads = [layout(tensor)] if is_sharded(tensor) else []
-        if recorded is not None:
-            spreads.insert(0, recorded.get(name, layout(tensor)))
-        for spread in spreads:
-            if spread != mine:
-                raise ValueError(
-                    f"{kind} state for {name!r} is {spread}, the model's is {mine}: a sharded average is restored only "
-                    "as it was saved (same world size and placements), never resharded"
-                )
+        if is_sharded(tensor) and layout(tensor) != mine:
+            raise ValueError(
+                f"{kind} state for {name!r} is {layout(tensor)}, the model's is {mine}: load a sharded state into this "
+                f"{kind}'s own state_dict() with torch.distributed.checkpoint (dcp.load), which reshards it, or give it "
+                "whole (full_state_dict())"
+            )
         if tuple(tensor.shape) != tuple(ours[name].shape):
             raise ValueError(
                 f"{kind} state for {name!r} has shape {tuple(tensor.shape)}, the model's is {tuple(ours[name].shape)}"

@@ -311,8 +311,8 @@ class EMAWeights(AveragingCallback):
 
     def _read(self, ema: EMA, state: Mapping[str, Any]) -> Mapping[str, Any]:
         """The state, its shadow read from the distributed checkpoint being restored where it names keys there (every
-        rank its shards), after checking that it is spread as the model is: ``torch.distributed.checkpoint`` would
-        reshard silently."""
+        rank its shards, into tensors spread as the model is now: ``torch.distributed.checkpoint`` reshards a checkpoint
+        saved at another world size), after checking names and shapes."""
         if not names_keys(state.get("shadow")):
             return state
         keys: Mapping[str, str] = state["shadow"]

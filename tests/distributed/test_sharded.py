@@ -128,18 +128,25 @@ def test_a_distributed_checkpoint_round_trip_restores_the_shards_and_keeps_one_c
 
 
 @pytest.mark.parametrize(("case", "theirs", "ours"), [
-    ("world size 1 -> 2", "Shard(dim=0) over a mesh of 1 rank", "Shard(dim=0) over a mesh of 2 ranks"),
-    ("world size 2 -> 1", "Shard(dim=0) over a mesh of 2 ranks", "Shard(dim=0) over a mesh of 1 rank"),
     ("FSDP -> HSDP", "Shard(dim=0) over a mesh of 2 ranks", "Replicate(), Shard(dim=0) over a mesh of 1x2 ranks"),
-    ("unsharded -> sharded", "not sharded", "Shard(dim=0) over a mesh of 2 ranks"),
-    ("sharded -> unsharded", "Shard(dim=0) over a mesh of 2 ranks", "not sharded"),
+    ("sharded DTensors -> unsharded", "Shard(dim=0) over a mesh of 2 ranks", "not sharded"),
 ])  # fmt: skip
-def test_a_state_spread_otherwise_is_refused_naming_both(ranks: list[dict], case: str, theirs: str, ours: str) -> None:
+def test_dtensors_spread_otherwise_are_refused_naming_both(
+    ranks: list[dict], case: str, theirs: str, ours: str
+) -> None:
+    """A ``DTensor`` of another spread cannot be cut on this rank: ``torch.distributed.checkpoint`` reshards it into
+    the EMA's own ``state_dict()`` (``tests/distributed/test_sharded_reshard.py``)."""
     for rank in ranks:
         message = rank["ema"]["refusals"][case]
         assert message.startswith(f"EMA state for '0.weight' is {theirs}, the model's is {ours}: ")
-        assert "never resharded" in message and "\n" not in message
-        assert rank["ema"]["without_check"]  # the control: unchecked, a state of another world size is taken, re-cut
+        assert "dcp.load" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("case", ["world size 1 -> 2", "world size 2 -> 1", "unsharded -> sharded",
+                                  "sharded -> unsharded"])  # fmt: skip
+def test_a_whole_state_loads_at_any_spread_each_rank_cutting_its_part(ranks: list[dict], case: str) -> None:
+    for rank in ranks:
+        assert rank["ema"]["refusals"][case] == "accepted" and rank["ema"]["loaded_whole"][case]
 
 
 def test_target_updates_on_shards_equal_the_unsharded_ones_with_no_collective(ranks: list[dict]) -> None:

@@ -85,7 +85,7 @@ def fit(directory: Path, distributed: bool, epochs: int, ckpt_path: Path | None 
         shards = {
             "model": {k: v.to_local().clone() for k, v in module.state_dict().items() if is_sharded(v)},
             "ema": {k: v.to_local().clone() for k, v in ema.ema.shadow.items() if is_sharded(v)},
-            "counters": (ema.ema.step, ema.ema.num_updates),
+            "counters": (int(ema.ema.step), ema.ema.num_updates),
         }
     return shards, truth.at
 
