@@ -374,9 +374,9 @@ def check_tensors(kind: str, saved: Mapping[str, torch.Tensor | None], ours: Map
         mine = layout(ours[name])
         if is_sharded(tensor) and layout(tensor) != mine:
             raise ValueError(
-                f"{kind} state for {name!r} is {layout(tensor)}, the model's is {mine}: load a sharded state into this "
-                f"{kind}'s own state_dict() with torch.distributed.checkpoint (dcp.load), which reshards it, or give it "
-                "whole (full_state_dict())"
+                f"{kind} state for {name!r} is {layout(tensor)}, the model's is {mine}: load a sharded state into "
+                f"this {kind}'s own state_dict() with torch.distributed.checkpoint (dcp.load), which reshards it, or "
+                "give it whole (full_state_dict())"
             )
         if tuple(tensor.shape) != tuple(ours[name].shape):
             raise ValueError(
@@ -424,12 +424,14 @@ def misfit(targets: Mapping[str, torch.Tensor], name: str, value: torch.Tensor) 
 
 def gathered(shadows: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``shadows`` as new, full, plain CPU tensors by name, tied ones still one; a sharded one is gathered here
-    (``DTensor.full_tensor()``: a collective, so every rank calls it), one full tensor at a time."""
+    (``DTensor.full_tensor()``: a collective, so every rank calls it), one full tensor at a time, and copied (on a
+    mesh of one rank ``full_tensor()`` is the local tensor itself, which the next update writes)."""
     out: dict[str, torch.Tensor] = {}
     made: dict[int, torch.Tensor] = {}
     with torch.no_grad():
         for name, tensor in shadows.items():
             if id(tensor) not in made:
-                made[id(tensor)] = tensor.full_tensor().cpu() if is_sharded(tensor) else tensor.to("cpu", copy=True)
+                whole = tensor.full_tensor() if is_sharded(tensor) else tensor
+                made[id(tensor)] = whole.to("cpu", copy=True)
             out[name] = made[id(tensor)]
     return out

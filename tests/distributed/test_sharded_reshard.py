@@ -3,7 +3,9 @@ and ``PowerEMA`` of an FSDP2 network with uneven shards saved by ``torch.distrib
 loaded at 1 and 4, and saved at 1 and 4 and loaded at 2, each world size its own group of gloo processes. The average
 loaded, gathered at the new world size, equals the one gathered at the old bit for bit, counters included, and each
 rank holds only its own shards of it (resharded by the checkpoint's reader, not gathered onto one rank). The control:
-the same averages before the load."""
+the same averages before the load. Then the same through Lightning: ``EMAWeights`` under ``ModelParallelStrategy``,
+its distributed checkpoint saved at 2 ranks and the fit resumed from it at 1 and 4
+(``tests/workers/sharded_callback_reshard.py``)."""
 
 from __future__ import annotations
 
@@ -44,6 +46,25 @@ def test_an_average_saved_at_one_world_size_loads_at_another_equal_to_the_gather
     assert all(same(mine, theirs) for mine, theirs in zip(loaded["power"], saved["power"], strict=True))
     assert loaded["counters"] == saved["counters"] == (5, 5, 5, 5)
     assert not same(loaded["untouched"]["ema"], saved["ema"])  # the control: before the load, another average
+    # full_state_dict() is new memory at every world size (on a mesh of one rank full_tensor() is the shard itself)
+    assert loaded["gathered_kept"] and loaded["average_moved"]
     # each rank holds its own shards of the parameters' shadow, together one shadow: nothing gathered onto one rank
     assert sum(loaded["held"]) == FULL_SHADOW_PARAMETER_BYTES
     assert max(loaded["held"]) < FULL_SHADOW_PARAMETER_BYTES or target == 1
+
+
+@pytest.mark.long  # Lightning fits in 2, 1 and 4 gloo processes
+def test_ema_weights_resumes_a_distributed_checkpoint_at_another_world_size(tmp_path: Path) -> None:
+    def worker(*args: str) -> None:
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "tests" / "workers" / "sharded_callback_reshard.py"), str(tmp_path), *args],
+            cwd=ROOT, capture_output=True, text=True, timeout=600, env=child_env(TEST_PORT=free_port()),
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    worker("2", "save")
+    saved = torch.load(tmp_path / "gathered-2.pt", weights_only=True)
+    for world in (1, 4):
+        worker(str(world), "load", "2")
+        loaded = torch.load(tmp_path / f"loaded-2-to-{world}.pt", weights_only=True)
+        assert same(loaded["ema"], saved["ema"]) and loaded["counters"] == saved["counters"] == (8, 8), world

@@ -195,7 +195,7 @@ def test_lightning_refuses_an_epoch_start() -> None:
 
 # -- torchtitan ---------------------------------------------------------------------------------------------------
 # torchtitan is not a pip package; ``Titan`` is its ``EMAOptimizersContainer.step`` and ``_decay_at`` (torchtitan
-# ``torchtitan/components/ema.py``, PR #3985) written out: the EMA a clone at construction, then at each
+# its ``ema.py`` module, PR #3985) written out: the EMA a clone at construction, then at each
 # ``current_step`` a lerp by ``1 - decay`` of the parameters that require grad, or nothing.
 
 TORCHTITAN = [

@@ -73,6 +73,13 @@ def load(rank: int, world: int, out: Path, source: int) -> None:
     every = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(every, held)
     result = {**full(ema, power), "untouched": untouched, "held": [int(h) for h in every]}
+    before = {name: t.clone() for name, t in result["ema"].items()}
+    model = ema.live_model
+    assert model is not None
+    train_step(model, torch.optim.SGD(model.parameters(), lr=0.1, foreach=True), batch(rank, STEPS))
+    ema.update(model)  # the average gathered above is new memory: this update leaves it as it was
+    result["gathered_kept"] = all(torch.equal(before[name], t) for name, t in result["ema"].items())
+    result["average_moved"] = any(not torch.equal(before[name], t) for name, t in ema.full_state_dict().items())
     if rank == 0:
         torch.save(result, out / f"loaded-{source}-to-{world}.pt")
 
