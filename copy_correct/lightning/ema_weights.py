@@ -21,7 +21,8 @@ Copy contract:
   average alone, under the module's names; ``"live"``: no EMA evaluation.
 * DDP and FSDP2: rank 0's floating buffers are broadcast into the averaged module before each update, so every rank
   averages the same ones; a sharded average stays sharded, updated with no collective, and goes where Lightning puts
-  the weights (a distributed checkpoint's directory, or one file, gathered); another spread is refused, naming both.
+  the weights (a distributed checkpoint's directory, or one file, gathered), and resumes at another world size (each
+  rank reading its own shards of the directory, or cutting them from the file).
 """
 
 from __future__ import annotations
