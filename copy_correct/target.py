@@ -21,8 +21,9 @@ Copy contract:
   (``copy_correct.guards.device``: a staging copy, no sync). ``skipped_updates`` counts the skips; the cost is on the
   dqn recipe's page. Not for sharded networks: each rank would decide on its own shards.
 * ``torch.compile``, ``DataParallel`` and DDP wrappers are looked through; the pair's lists hold the target's modules
-  weakly, so a dropped target is freed. A parent's ``.train()`` also switches the target: ``recipes/dqn.py`` keeps it
-  in eval mode.
+  weakly, so a dropped target is freed. Called inside a ``torch.compile``d function, an update is traced into its
+  graph (``_traced``): the same writes, one compile for every call with the same ``tau``. A parent's ``.train()``
+  also switches the target: ``recipes/dqn.py`` keeps it in eval mode.
 * Sharded (FSDP2): make the target before sharding and shard both alike, or give ``make_target(online, into=second)``
   a second network sharded alike. Each rank updates its own shards (``to_local()``), no collective, after dropping the
   target's gathered parameters so that its next forward gathers the new values; a pair spread unlike is refused.
@@ -117,6 +118,9 @@ def _update(
     finite, nothing is written and the skip is counted; finite, the same calls as unguarded. Guarded elsewhere, the
     online values are staged, checked and averaged (or selected) on the device by the target's ``NonFiniteGuard``.
     ``caller``: the public function whose argument order a new pair is checked for (``None``: not checked)."""
+    if torch.compiler.is_compiling():
+        _traced(target, online, tau, skip_nonfinite, caller)
+        return
     groups, targets, onlines = _checked(_pairs(target, online, caller), target, online)
     grad_was_enabled = torch.is_grad_enabled()
     set_grad_enabled(False)  # what `with torch.no_grad()` does, at a fraction of a small network's update
@@ -138,6 +142,39 @@ def _update(
                 foreach_copy_(written, values)
     finally:
         set_grad_enabled(grad_was_enabled)
+
+
+def _traced(target: nn.Module, online: nn.Module, tau: float, skip_nonfinite: bool, caller: str | None) -> None:
+    """The update inside a ``torch.compile``d function: the same writes (``lerp_`` by ``tau`` of the floating tensors,
+    or ``copy_``; integer buffers copied), from lists Dynamo builds as it traces, in ``parameters()`` then
+    ``buffers()`` order on both sides, so the update joins the graph: no graph break, one compile for every call
+    with the same ``tau`` (a Python float is a constant of the graph: another ``tau`` compiles again), in place.
+    The eager pair cache (weak references, data-pointer checks) does not trace; Dynamo's guards take its place (a
+    tensor replaced, reshaped or moved retraces). Refused in one line as it traces: ``skip_nonfinite`` (its
+    decision is read on the host), a sharded network, networks of different tensors."""
+    if caller is not None:
+        _refuse_reversed(caller, unwrap(target, "target"), unwrap(online, "online"))
+    if skip_nonfinite:
+        raise ValueError(
+            f"{caller}(..., skip_nonfinite=True) inside torch.compile: the skip is decided on the host; call it "
+            "outside the compiled function"
+        )
+    written = [*unwrap(target, "target").parameters(), *unwrap(target, "target").buffers()]
+    values = [*unwrap(online, "online").parameters(), *unwrap(online, "online").buffers()]
+    if len(written) != len(values) or any(is_sharded(t) for t in written):
+        raise ValueError(
+            f"{caller} inside torch.compile takes two networks of the same tensors, not sharded; call it outside the "
+            "compiled function for a sharded one"
+        )
+    floating = [(t, v) for t, v in zip(written, values, strict=True) if t.is_floating_point()]
+    whole = [(t, v) for t, v in zip(written, values, strict=True) if not t.is_floating_point()]
+    with torch.no_grad():
+        if floating and tau < 1.0:
+            torch._foreach_lerp_([t for t, _ in floating], [v for _, v in floating], tau)
+        elif floating:
+            torch._foreach_copy_([t for t, _ in floating], [v for _, v in floating])
+        if whole:
+            torch._foreach_copy_([t for t, _ in whole], [v for _, v in whole])
 
 
 def _checked(
