@@ -1,8 +1,9 @@
 """``soft_update`` and ``hard_update`` inside a ``torch.compile(..., fullgraph=True)`` function: traced into the graph
 (no graph break), compiled once for every call with the same ``tau``, the target equal to eager updates bit for bit
-when the graph runs torch's own kernels, and to float32 rounding under inductor, which generates its own ``lerp``
-(one update's difference, 2 ulps at most measured; and it allocates nothing per call there). Controls: a ``tau`` that
-changes at every call compiles again; the eager update of a twin target is what the compiled one is compared with."""
+when the graph runs torch's own kernels (torch 2.13 on; within float32 rounding on torch 2.10), and to float32
+rounding under inductor, which generates its own ``lerp`` (one update's difference, 2 ulps at most measured; and it
+allocates nothing per call there). Controls: a ``tau`` that changes at every call compiles again; the eager update of
+a twin target is what the compiled one is compared with."""
 
 from __future__ import annotations
 
@@ -50,6 +51,21 @@ def same(a: nn.Module, b: nn.Module) -> bool:
     return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(), strict=True))
 
 
+def close(a: nn.Module, b: nn.Module) -> None:
+    """Equal to float32 rounding: floating tensors within 2**-22 of their scale, integer ones equal."""
+    for ours, theirs in zip(a.state_dict().values(), b.state_dict().values(), strict=True):
+        if ours.is_floating_point():
+            scale = theirs.abs().max().item()
+            torch.testing.assert_close(ours, theirs, rtol=2**-22, atol=2**-22 * scale)
+        else:
+            assert torch.equal(ours, theirs)
+
+
+# Bit for bit from torch 2.13 on (measured on 2.13.0 and 2.14.1); torch 2.10's Dynamo traces soft_update's lerp into
+# a graph whose result differs from the eager kernel's within float32 rounding (the versions leg, 2026-12-07).
+EXACT = tuple(int(part) for part in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
+
 @pytest.mark.parametrize("update", ["soft", "hard"])
 def test_the_update_compiles_once_into_the_graph_and_equals_the_eager_one_bit_for_bit(update: str) -> None:
     online, target, twin = networks()
@@ -60,7 +76,7 @@ def test_the_update_compiles_once_into_the_graph_and_equals_the_eager_one_bit_fo
         moved(online, step)
         compiled()
         call(twin)
-        assert same(target, twin), step
+        assert same(target, twin) if EXACT else close(target, twin) is None, step
     assert backend.compiles == 1
     assert target[1].num_batches_tracked.item() == 20  # the integer buffer copied
 
@@ -110,12 +126,7 @@ def test_under_inductor_it_allocates_nothing_per_call_and_stays_within_float32_r
             compiled()
         soft_update(twin, online, 0.005)
         assert [e.name for e in probe.events() if e.cpu_memory_usage > 0] == []
-        for ours, theirs in zip(target.state_dict().values(), twin.state_dict().values(), strict=True):
-            if ours.is_floating_point():  # float32 rounding of the operands: 2 ulps of the result measured at most
-                scale = theirs.abs().max().item()
-                torch.testing.assert_close(ours, theirs, rtol=2**-22, atol=2**-22 * scale)
-            else:
-                assert torch.equal(ours, theirs)
+        close(target, twin)  # float32 rounding of the operands: 2 ulps of the result measured at most
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as control:
         torch.lerp(twin[0].weight, online[0].weight, 0.5)
     assert [e for e in control.events() if e.cpu_memory_usage > 0]  # the control: an op that allocates is seen
