@@ -9,8 +9,9 @@ Copy contract:
   (``lerp_`` by ``tau``) write into the target's storage under ``no_grad``, one ``torch._foreach_copy_`` /
   ``torch._foreach_lerp_`` per (device, dtype) group over lists built once per (target, online) pair, with no host
   read. Buffers come along: floating ones copied or averaged, integer ones copied. A storage replaced in place on
-  either side (``.data = ...``, ``.to(...)``: a data pointer changed) has the pair checked again before anything is
-  written: one that no longer matches is refused naming the tensor, the target bit for bit as it was.
+  either side (``.data = ...``, ``.to(...)``: a data pointer changed), or a module of either replaced (a new head:
+  ``copy_correct.averages.model_changes.ModelWatch`` sees every registration), has the pair checked again before
+  anything is written: one that no longer matches is refused naming the tensor, the target bit for bit as it was.
 * What autograd sees: each target tensor's ``_version`` rises by exactly one per update on every device
   (``copy_correct.core.foreach_writes``), so a backward through a target tensor saved before the update raises. Why not
   ``load_state_dict`` or ``target.data.copy_(tau * q + (1 - tau) * t)``: a ``state_dict()`` walk per call, or three
@@ -21,9 +22,8 @@ Copy contract:
   (``copy_correct.guards.device``: a staging copy, no sync). ``skipped_updates`` counts the skips; the cost is on the
   dqn recipe's page. Not for sharded networks: each rank would decide on its own shards.
 * ``torch.compile``, ``DataParallel`` and DDP wrappers are looked through; the pair's lists hold the target's modules
-  weakly, so a dropped target is freed. Called inside a ``torch.compile``d function, an update is traced into its
-  graph (``_traced``): the same writes, one compile for every call with the same ``tau``. A parent's ``.train()``
-  also switches the target: ``recipes/dqn.py`` keeps it in eval mode.
+  weakly, so a dropped target is freed. A parent's ``.train()`` also switches the target: ``recipes/dqn.py`` keeps it
+  in eval mode.
 * Sharded (FSDP2): make the target before sharding and shard both alike, or give ``make_target(online, into=second)``
   a second network sharded alike. Each rank updates its own shards (``to_local()``), no collective, after dropping the
   target's gathered parameters so that its next forward gathers the new values; a pair spread unlike is refused.
@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from copy_correct.averages.model_changes import ModelWatch
 from copy_correct.core.checks import flag, module, number
 from copy_correct.core.foreach_writes import foreach_copy_, foreach_lerp_
 from copy_correct.core.module_tensors import DATA_PTR, TensorRefs, state_entries, unwrap
@@ -118,9 +119,6 @@ def _update(
     finite, nothing is written and the skip is counted; finite, the same calls as unguarded. Guarded elsewhere, the
     online values are staged, checked and averaged (or selected) on the device by the target's ``NonFiniteGuard``.
     ``caller``: the public function whose argument order a new pair is checked for (``None``: not checked)."""
-    if torch.compiler.is_compiling():
-        _traced(target, online, tau, skip_nonfinite, caller)
-        return
     groups, targets, onlines = _checked(_pairs(target, online, caller), target, online)
     grad_was_enabled = torch.is_grad_enabled()
     set_grad_enabled(False)  # what `with torch.no_grad()` does, at a fraction of a small network's update
@@ -142,39 +140,6 @@ def _update(
                 foreach_copy_(written, values)
     finally:
         set_grad_enabled(grad_was_enabled)
-
-
-def _traced(target: nn.Module, online: nn.Module, tau: float, skip_nonfinite: bool, caller: str | None) -> None:
-    """The update inside a ``torch.compile``d function: the same writes (``lerp_`` by ``tau`` of the floating tensors,
-    or ``copy_``; integer buffers copied), from lists Dynamo builds as it traces, in ``parameters()`` then
-    ``buffers()`` order on both sides, so the update joins the graph: no graph break, one compile for every call
-    with the same ``tau`` (a Python float is a constant of the graph: another ``tau`` compiles again), in place.
-    The eager pair cache (weak references, data-pointer checks) does not trace; Dynamo's guards take its place (a
-    tensor replaced, reshaped or moved retraces). Refused in one line as it traces: ``skip_nonfinite`` (its
-    decision is read on the host), a sharded network, networks of different tensors."""
-    if caller is not None:
-        _refuse_reversed(caller, unwrap(target, "target"), unwrap(online, "online"))
-    if skip_nonfinite:
-        raise ValueError(
-            f"{caller}(..., skip_nonfinite=True) inside torch.compile: the skip is decided on the host; call it "
-            "outside the compiled function"
-        )
-    written = [*unwrap(target, "target").parameters(), *unwrap(target, "target").buffers()]
-    values = [*unwrap(online, "online").parameters(), *unwrap(online, "online").buffers()]
-    if len(written) != len(values) or any(is_sharded(t) for t in written):
-        raise ValueError(
-            f"{caller} inside torch.compile takes two networks of the same tensors, not sharded; call it outside the "
-            "compiled function for a sharded one"
-        )
-    floating = [(t, v) for t, v in zip(written, values, strict=True) if t.is_floating_point()]
-    whole = [(t, v) for t, v in zip(written, values, strict=True) if not t.is_floating_point()]
-    with torch.no_grad():
-        if floating and tau < 1.0:
-            torch._foreach_lerp_([t for t, _ in floating], [v for _, v in floating], tau)
-        elif floating:
-            torch._foreach_copy_([t for t, _ in floating], [v for _, v in floating])
-        if whole:
-            torch._foreach_copy_([t for t, _ in whole], [v for _, v in whole])
 
 
 def _checked(
@@ -259,12 +224,14 @@ class _PairGroup:
 
 @dataclass
 class _Pair:
-    """A (target, online) pair's groups, built on its first update and again when a data pointer changed, and the
-    target's FSDP2 modules (weakly), found once: the updates run every step."""
+    """A (target, online) pair's groups, built on its first update and again when a data pointer changed or a
+    parameter, buffer or submodule was registered anywhere since (``watch``: a new head assigned), and the target's
+    FSDP2 modules (weakly), found once: the updates run every step."""
 
     online: weakref.ref
     groups: list[_PairGroup]
     sharded: list[weakref.ref]
+    watch: ModelWatch = field(default_factory=ModelWatch)
 
 
 # Keyed by the target; every value refers to modules weakly (the target's buffer owners and FSDP2 modules, the online
@@ -290,6 +257,9 @@ def _pairs(target: nn.Module, online: nn.Module, caller: str | None) -> list[_Pa
         _PASSED[key] = (weakref.ref(target, forget), weakref.ref(online, forget), pair)
     if pair.sharded:
         reshard([m for m in (ref() for ref in pair.sharded) if m is not None])
+    if pair.watch.stale():  # a registration since the last update (one integer compare): pair the networks anew
+        pair.groups = _build(unwrap(target, "target"), unwrap(online, "online"))
+        pair.watch.seen()
     return pair.groups
 
 
