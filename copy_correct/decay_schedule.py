@@ -94,6 +94,22 @@ class DecaySchedule:
             ramp = (1.0 + k) / (10.0 + k)
         return max(self.min_decay, min(self.decay, ramp))
 
+    def share_after(self, n: int) -> float:
+        """The share of an average that is still the weights it started from after ``n`` averaging updates: the
+        product of the decays so far (0 once a warm-up's first update has copied)."""
+        if n == 0:
+            return 1.0
+        if self.warmup == "none":
+            return self.decay**n
+        if self.warmup != "half_life":
+            return 0.0  # the first update copies
+        share = 1.0
+        for k in range(n):
+            share *= self.at(k)
+            if share < 1e-12:
+                break
+        return share
+
     def write_weight(self, k: torch.Tensor, out: torch.Tensor, scratch: torch.Tensor, one: torch.Tensor) -> None:
         """``out = 1 - at(k)`` for ``k`` a 0-dim float64 device tensor, with ``at``'s operations in its order and
         precision (bit for bit on CPU; a CUDA ``pow`` may differ from the host's in a double's last bit). ``scratch``

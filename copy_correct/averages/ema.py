@@ -19,6 +19,10 @@ Copy contract (the shadows themselves, copies and model checks: ``copy_correct.a
 * ``skip_nonfinite=True`` (opt-in: its price is in the manual): an update whose live values hold a NaN or an Inf
   leaves the shadow bit for bit; on the CPU decided on the host before anything is written, on a GPU on the device
   from a staging copy (``copy_correct.guards.device``). The warm-up counts applied updates only.
+* ``traceable=True``: the counters and the decay are tensors on the shadow's device
+  (``copy_correct.averages.device_clock``) and ``update`` traces into a ``torch.compile(..., fullgraph=True)`` step:
+  one graph for every update, warm-up included, writing the shadows in place; reading ``step`` or ``num_updates`` is
+  then a sync.
 * Sharded (FSDP2): each rank's shadow is a copy of its shards, updated with no collective; ``full_state_dict()``
   gathers the average on request.
 """
@@ -26,7 +30,7 @@ Copy contract (the shadows themselves, copies and model checks: ``copy_correct.a
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from copy import deepcopy
 from typing import Any, ClassVar
@@ -34,8 +38,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from copy_correct.averages.average_module import average_module
-from copy_correct.averages.batch_norm import first_item, recompute_statistics
+from copy_correct.averages.average_module import AverageAsModule
+from copy_correct.averages.device_clock import clock_for, traced_values
 from copy_correct.averages.peer_calls import EMA_NAMES, UpdateCount
 from copy_correct.averages.selection import Exclude
 from copy_correct.averages.settings import ema_settings
@@ -52,7 +56,7 @@ from copy_correct.guards.device import NonFiniteGuard
 __all__ = ["EMA"]
 
 
-class EMA(Shadows):
+class EMA(AverageAsModule, Shadows):
     """Exponential moving average of a model's parameters (and buffers), kept outside the model.
 
     Args:
@@ -81,6 +85,9 @@ class EMA(Shadows):
         skip_nonfinite: skip every update whose live values hold a NaN or an Inf, leaving the average bit for bit as
             it was and the warm-up where it was; ``skipped_updates(ema)`` counts them. Off by default: it costs a
             read of the weights per update on the CPU, a staging copy on a GPU (the manual's EMA page measures it).
+        traceable: keep the counters and the decay as tensors on the shadow's device, so that ``update`` traces into a
+            ``torch.compile``d step without recompiling (``copy_correct.averages.device_clock``); not with
+            ``skip_nonfinite``, a sharded model or shadows on several devices.
 
     Every argument is checked here, in one line naming it and what it takes: a value of the wrong type (a string for
     a number, a bool for an int, ``model.parameters()`` for the model) is a ``TypeError``, one out of range a
@@ -111,6 +118,7 @@ class EMA(Shadows):
         shadow_dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
         skip_nonfinite: bool = False,
+        traceable: bool = False,
     ) -> None:
         module("model", model)
         settings = ema_settings(locals())  # every argument by name: the signature above is where each is written
@@ -119,63 +127,35 @@ class EMA(Shadows):
         self.warmup = self.schedule.warmup
         self.update_every = settings.update_every
         self.start_step = settings.start_step
-        self._step = 0  # calls of update(): ``step``
-        self.num_updates = 0  # averaging updates made (the warm-up's k; under skip_nonfinite, skipped ones too)
+        self._step = 0  # calls of update(): ``step`` (without traceable)
+        self._made = 0  # averaging updates made: ``num_updates`` (without traceable)
         self._swap: Swap | None = None  # set while average_weights holds the average in the model
         self._module: nn.Module | None = None  # the average as a module, made on the first read of ``module``
         self._share_checked = False  # initial_share is checked once, when the average is first used
         self._init_shadows(model, 1, settings)
+        self._clock = clock_for(self._groups, self.sharded, self.skip_nonfinite) if settings.traceable else None
 
     @property
     def step(self) -> UpdateCount:
         """The number of ``update`` calls, an ``int`` (``copy_correct.averages.peer_calls.UpdateCount``: diffusers'
-        ``ema.step(model.parameters())`` raises naming ``ema.update(model)``)."""
-        return UpdateCount(self._step)
+        ``ema.step(model.parameters())`` raises naming ``ema.update(model)``); with ``traceable``, read from the
+        device."""
+        return UpdateCount(self._step if self._clock is None else self._clock.counts()[0])
+
+    @property
+    def num_updates(self) -> int:
+        """The averaging updates made (the warm-up's k; under ``skip_nonfinite``, skipped ones too); with
+        ``traceable``, read from the device."""
+        return self._made if self._clock is None else self._clock.counts()[1]
+
+    def _set_counts(self, calls: int, made: int) -> None:
+        self._step, self._made = calls, made
+        if self._clock is not None:
+            self._clock.set(calls, made)
 
     def _device_guard(self) -> NonFiniteGuard:
         """The guard of a shadow off the CPU: it stages, checks and averages (or selects) on the device."""
         return NonFiniteGuard([(group.shadows, group.average) for group in self._groups], self._skipped, self._applied)
-
-    @property
-    def module(self) -> nn.Module:
-        """The average as a module of the model's class, in eval mode, made on first use, whose tensors are the
-        shadow's own storage (``copy_correct.averages.average_module``): for evaluation, ``save_pretrained``, timm's
-        ``CheckpointSaver``. Its ``load_state_dict`` is refused, naming ``load_average``."""
-        tracked = self._tracked(None)
-        if self.sharded:
-            raise RuntimeError(
-                "EMA.module would deep-copy the model's structure, which FSDP2 forbids for a sharded one: load "
-                "ema.full_state_dict() (gathered once) into an unsharded instance of the model instead"
-            )
-        if self._watch.stale():  # read per batch in an evaluation loop: the walk only after a registration
-            self._check_model(tracked)
-        if self._module is None:
-            self._module = average_module(tracked, self.shadow)
-            self._module.register_load_state_dict_pre_hook(_counterless_load)
-        return self._module
-
-    def update_bn(
-        self,
-        loader: Iterable[Any],
-        *,
-        batches: int | None = None,
-        to_input: Callable[[Any], Any] = first_item,
-        device: str | torch.device | None = None,
-    ) -> int:
-        """Recompute the average's BatchNorm running statistics by forward passes of the averaged weights (``module``)
-        over ``loader``, as ``torch.optim.swa_utils.update_bn`` does for a model (``copy_correct.averages.batch_norm``),
-        into the shadow; the live model is not touched, and the next ``update`` averages on from them. ``batches``:
-        at most this many; ``to_input``: a batch to the module's input (default: a list's or tuple's first item);
-        ``device``: where the inputs go. The number of batches run. Refused in one line: inside ``average_weights``,
-        for a sharded model, and for an average that does not keep the statistics."""
-        if self._swap is not None:
-            raise RuntimeError("EMA.update_bn inside EMA.average_weights: call it before or after the block")
-        if self.sharded:
-            raise RuntimeError("EMA.update_bn runs the average as a module, which a sharded (FSDP2) EMA cannot make")
-        if batches is not None:
-            batches = integer("batches", batches, 1)
-        target = torch.device(device) if device is not None else None
-        return recompute_statistics(self.module, self.shadow, loader, batches=batches, to_input=to_input, device=target)
 
     def _live_groups(self, model: nn.Module | None) -> list[tuple[Group, list[torch.Tensor]]]:
         self._tracked(model)
@@ -191,17 +171,8 @@ class EMA(Shadows):
     @property
     def initial_share(self) -> float:
         """The share of the average that is still the weights it started from: 0 after a warm-up's first update (its
-        decay is 0), else ``decay ** num_updates``. From the host's counters: no tensor is read."""
-        if self.num_updates == 0:
-            return 1.0
-        if self.warmup == "half_life":  # no first copy: the product of the decays so far, until it is nothing
-            share = 1.0
-            for k in range(self.num_updates):
-                share *= self.schedule.at(k)
-                if share < 1e-12:
-                    return share
-            return share
-        return 0.0 if self.warmup != "none" else self.decay**self.num_updates  # a warm-up's decay_at(0) is 0
+        decay is 0), else the product of the decays so far (``decay ** num_updates`` without a warm-up)."""
+        return self.schedule.share_after(self.num_updates)
 
     def _check_share(self, stacklevel: int) -> None:
         """Warn, once, when the average is first used while it is mostly the weights it started from."""
@@ -222,7 +193,11 @@ class EMA(Shadows):
         """One step: average the model into the shadow (or copy it, before ``start_step``), in place, under
         ``no_grad``, with no allocation and no host sync. ``model`` defaults to the tracked one (wrapped in DDP or
         ``torch.compile`` is fine). Raises inside ``average_weights`` and when the model changed since the EMA was
-        built. ``step`` (timm's ``update(model, step=n)``) must be this call's number, ``ema.step + 1``."""
+        built. ``step`` (timm's ``update(model, step=n)``) must be this call's number, ``ema.step + 1``. Inside a
+        ``torch.compile``d function it needs ``traceable=True`` (``_traced_update``)."""
+        if torch.compiler.is_compiling():
+            self._traced_update(model, step)
+            return
         if self._swap is not None:
             raise RuntimeError(
                 "EMA.update inside EMA.average_weights: the model holds a copy of the average there, which the live "
@@ -232,6 +207,9 @@ class EMA(Shadows):
         tracked = self._tracked(model)
         if self._watch.stale():
             self._check_model(tracked)
+        if self._clock is not None:
+            self._clocked(self._values(), step)
+            return
         if step is not None and step != self._step + 1:
             raise ValueError(
                 f"EMA.update(step={step!r}): this is update call {self._step + 1} of this EMA, which counts its own "
@@ -253,7 +231,27 @@ class EMA(Shadows):
         finally:
             set_grad_enabled(grad_was_enabled)
         if not copy:
-            self.num_updates += 1
+            self._made += 1
+
+    def _traced_update(self, model: nn.Module | None, step: int | None) -> None:
+        """``update`` as Dynamo traces it: the values looked up by name (``traced_values``), the counters and decay
+        on the device (``DeviceClock``); without ``traceable`` refused in one line as it traces."""
+        if self._clock is None:
+            raise RuntimeError(
+                "EMA.update inside torch.compile needs EMA(model, ..., traceable=True): its counters and decay are "
+                "then tensors, where Python numbers would be graph constants and compile it again at every update"
+            )
+        if self._swap is not None:
+            raise RuntimeError("EMA.update inside EMA.average_weights: update after the block ends")
+        self._clocked(traced_values(self._tracked(model), self._groups, "EMA"), step)
+
+    def _clocked(self, values: list[list[torch.Tensor]] | None, step: int | None) -> None:
+        if step is not None:
+            raise ValueError("EMA.update(step=...) with traceable=True would read the device's count: drop step=")
+        assert values is not None and self._clock is not None  # no FiniteCheck beside a clock
+        with torch.no_grad():
+            groups = [(group.shadows, lives, group.average) for group, lives in zip(self._groups, values, strict=True)]
+            self._clock.update(groups, self.schedule, self.start_step, self.update_every)
 
     def _average(self, copy: bool) -> None:
         """The update without a guard, or under a ``FiniteCheck`` (a CPU shadow), which skips it whole, writing
@@ -362,7 +360,7 @@ class EMA(Shadows):
         state = {
             "decay": self.decay,
             "schedule": self.schedule_state(),
-            "step": self._step,
+            "step": int(self.step),
             "num_updates": self.num_updates,
             "shadow": dict(self.shadow),
         }
@@ -416,8 +414,7 @@ class EMA(Shadows):
         copy_into(self.shadow, state["shadow"])
         if self._swap is not None:  # the block goes on with the loaded average in the model
             self._swap.reload(self._model)
-        self._step = int(state["step"])
-        self.num_updates = int(state["num_updates"])
+        self._set_counts(int(state["step"]), int(state["num_updates"]))
         if self.skip_nonfinite:  # a state saved without the guard: nothing skipped, every update applied
             self._skipped.fill_(int(state.get("skipped", 0)))
             self._applied.fill_(int(state.get("applied_updates", self.num_updates)))
@@ -433,14 +430,5 @@ class EMA(Shadows):
         tensors = len({id(t) for t in self.shadow.values()})
         return (
             f"EMA(decay={self.decay}, warmup={self.warmup!r}, tensors={tensors}, groups={len(self._groups)}, "
-            f"step={self._step}, num_updates={self.num_updates})"
+            f"step={int(self.step)}, num_updates={self.num_updates})"
         )
-
-
-def _counterless_load(module: nn.Module, *_: Any) -> None:
-    """``EMA.module``'s ``load_state_dict`` pre-hook: refuse, naming the load that keeps the counters."""
-    raise RuntimeError(
-        "ema.module.load_state_dict would replace the average without its counters (the next warm-up update would "
-        "copy the live weights over it): load an average with ema.load_average(state_dict, step=n), n the update "
-        "calls it stands for, or an EMA state with ema.load_state_dict(state)"
-    )

@@ -35,6 +35,7 @@ class EMASettings:
     shadow_dtype: torch.dtype | None
     device: torch.device | None
     skip_nonfinite: bool
+    traceable: bool
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ def ema_settings(arguments: Mapping[str, Any]) -> EMASettings:
         shadow_dtype=floating_dtype("shadow_dtype", arguments["shadow_dtype"]),
         device=checked_device("device", device) if device is not None else None,
         skip_nonfinite=flag("skip_nonfinite", arguments["skip_nonfinite"]),
+        traceable=flag("traceable", arguments["traceable"]),
     )
 
 

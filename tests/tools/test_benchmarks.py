@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PEERS = {  # the rows each benchmark has for a peer library: (import name, row text)
     "benchmarks.ema": [("timm", "timm "), ("diffusers", "diffusers "), ("ema_pytorch", "ema-pytorch ")],
     "benchmarks.posthoc_ema": [("ema_pytorch", "ema-pytorch ")],
+    "benchmarks.compiled_ema": [("timm", "timm "), ("diffusers", "diffusers "), ("ema_pytorch", "ema-pytorch ")],
     "benchmarks.lora_ema": [("timm", "timm "), ("diffusers", "diffusers "), ("ema_pytorch", "ema-pytorch ")],
     "benchmarks.target": [("stable_baselines3", "stable-baselines3 "), ("torchrl", "torchrl ")],
     "benchmarks.replay": [("stable_baselines3", "stable-baselines3 "), ("torchrl", "torchrl ")],
@@ -42,6 +43,8 @@ NEEDS_ALE = pytest.mark.skipif(importlib.util.find_spec("ale_py") is None, reaso
 @pytest.mark.parametrize(("module", "key", "first_row", "ratio"), [
     ("benchmarks.ema", "ema-cpu", "| copy_correct.EMA.update, skip_nonfinite=False |", "time / ours"),
     ("benchmarks.lora_ema", "lora-ema-cpu", "| copy_correct EMA(trainable_only=True) |", "time / ours"),
+    ("benchmarks.compiled_ema", "compiled-ema-cpu", "| copy_correct EMA, eager step | 0 |",
+     "time / eager step with our EMA"),
     ("benchmarks.posthoc_ema", "posthoc-ema-cpu", "| copy_correct.PowerEMA.update, skip_nonfinite=False |",
      "mean error / ours"),
     ("benchmarks.model_changes", "model-changes-cpu", "| EMA.update (the check: one integer compare) |",
