@@ -119,6 +119,9 @@ def _update(
     finite, nothing is written and the skip is counted; finite, the same calls as unguarded. Guarded elsewhere, the
     online values are staged, checked and averaged (or selected) on the device by the target's ``NonFiniteGuard``.
     ``caller``: the public function whose argument order a new pair is checked for (``None``: not checked)."""
+    if torch.compiler.is_compiling():
+        _traced(unwrap(target, "target"), unwrap(online, "online"), tau, skip_nonfinite, caller)
+        return
     groups, targets, onlines = _checked(_pairs(target, online, caller), target, online)
     grad_was_enabled = torch.is_grad_enabled()
     set_grad_enabled(False)  # what `with torch.no_grad()` does, at a fraction of a small network's update
@@ -140,6 +143,41 @@ def _update(
                 foreach_copy_(written, values)
     finally:
         set_grad_enabled(grad_was_enabled)
+
+
+def _traced(target: nn.Module, online: nn.Module, tau: float, skip_nonfinite: bool, caller: str | None) -> None:
+    """The update inside a ``torch.compile``d function: the same writes (``lerp_`` by ``tau`` of the floating tensors,
+    or ``copy_``; integer buffers copied), one op per tensor, the tensors looked up by name on both sides as Dynamo
+    traces (the pair's cache reads data pointers, which do not trace): a module replaced by one alike is followed at
+    the next call, as the compiled step's forward follows it. No graph break, one compile for every call with the same
+    ``tau`` (a Python float is a constant of the graph). Refused in one line as it traces: ``skip_nonfinite`` (decided
+    on the host), networks whose names, shapes or dtypes differ, a sharded network."""
+    if caller is not None:
+        _refuse_reversed(caller, target, online)
+    if skip_nonfinite:
+        raise ValueError(f"{caller}(..., skip_nonfinite=True) inside torch.compile: the skip is decided on the host")
+    written, values = _named_tensors(target), _named_tensors(online)
+    if list(written) != list(values) or any(
+        is_sharded(t) or (t.shape, t.dtype) != (values[name].shape, values[name].dtype) for name, t in written.items()
+    ):
+        raise ValueError(f"{caller} inside torch.compile takes two unsharded networks of the same tensors")
+    with torch.no_grad():
+        for name, t in written.items():
+            if t.is_floating_point() and tau < 1.0:
+                t.lerp_(values[name], tau)
+            else:
+                t.copy_(values[name])
+
+
+def _named_tensors(network: nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters (each once) and persistent buffers by name, as ``state_dict`` has them, in a form Dynamo
+    traces."""
+    named = dict(network.named_parameters())
+    for prefix, owner in network.named_modules():
+        for name, buffer in owner._buffers.items():
+            if buffer is not None and name not in owner._non_persistent_buffers_set:
+                named[f"{prefix}.{name}" if prefix else name] = buffer
+    return named
 
 
 def _checked(

@@ -1,6 +1,6 @@
 """A target update after the online network's head was replaced (a new submodule, as timm's ``reset_classifier``
 does) pairs the networks anew: ``hard_update`` copies the new head, ``soft_update`` averages it, in a plain loop and
-called from a ``torch.compile``d function (where Dynamo stops its graph at the update, whose checks do not trace).
+called from a ``torch.compile``d function (where the update traces, looking the tensors up by name).
 A replaced head keeps every data pointer the pair holds (it holds the old Parameter objects), so the pointer check
 alone misses it: the registration count (``ModelWatch``) tells. The control: that count ignored, the update writes
 from the old head's parameters, with no error."""
