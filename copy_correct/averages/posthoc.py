@@ -159,14 +159,14 @@ def synthesize(
         if list(profile) != names:
             raise ValueError("the snapshots hold different tensors (names): they are not of one model")
     out: dict[str, torch.Tensor] = {}
-    made: dict[tuple, torch.Tensor] = {}
+    made: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (reference, result): a storage kept, not reused
     with torch.no_grad():
         for name in names:
             reference = latest[name]
             key = (reference.untyped_storage().data_ptr(), reference.storage_offset(), reference.shape)
             if key not in made or reference.numel() == 0:  # tied names share storage; empty tensors share nothing
-                made[key] = _combine(name, reference, [(profile[name], c) for _, profile, c in used])
-            out[name] = made[key]
+                made[key] = (reference, _combine(name, reference, ((profile[name], c) for _, profile, c in used)))
+            out[name] = made[key][1]
     return out
 
 
@@ -193,7 +193,7 @@ def _state(snapshot: Any, index: int) -> Mapping[str, Any]:
     )
 
 
-def _combine(name: str, reference: torch.Tensor, terms: list[tuple[torch.Tensor, float]]) -> torch.Tensor:
+def _combine(name: str, reference: torch.Tensor, terms: Iterable[tuple[torch.Tensor, float]]) -> torch.Tensor:
     if not reference.is_floating_point():
         return reference.clone()  # integer buffers (step counts): the latest snapshot's
     total = torch.zeros(reference.shape, dtype=torch.float64)

@@ -17,22 +17,22 @@ Copy contract: the files read are only read, checked against the digests written
 ``weights_only=True`` (``copy_correct.files.checked_load``; ``read_checkpoint`` for a directory), so nothing in them
 runs and damage is refused in one line naming the file (``DamagedFile``, ``UnsafeFile``). The synthesized tensors are
 new CPU tensors with no graph, the ``state_dict`` of a new checkpoint dict beside the checkpoint's kept entries (the
-other weights its own tensors, not copied). A sharded run's snapshots are combined rank by
-rank into its shards (no gather: the combination is linear), then joined into full tensors as their layout says
-(``Shard(dim=0)`` over W ranks: concatenated in rank order); a distributed checkpoint is read whole in this one
-process. The output is one file of full weights either way. Nothing to synthesize from, a step out of the snapshots'
-range, or a missing snapshot of the history up to the step (``copy_correct.averages.snapshot_history``), is a
-``ValueError`` naming the path, the steps or the file, raised before anything is written (the command: exit status 2,
-one line).
+other weights its own tensors, not copied). A sharded run's snapshot is its ranks' files (``snapshot_sets``: the world
+size may change where the run was resumed at another), joined tensor by tensor as their layout says (``Shard(dim=0)``
+over W ranks: concatenated in rank order) while the combination reads it, one joined tensor at a time (the sum is
+element by element, so the result is the one rank-by-rank shards would give); a distributed checkpoint is read whole
+in this one process. The output is one file of full weights either way. Nothing to synthesize from, a step out of
+the snapshots' range, or a missing snapshot of the history up to the step
+(``copy_correct.averages.snapshot_history``), is a ``ValueError`` naming the path, the steps or the file, raised
+before anything is written (the command: exit status 2, one line).
 """
 
 from __future__ import annotations
 
-import itertools
 import os
 import re
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ from copy_correct.files.checked_load import hyperparameter_classes, load_checked
 from copy_correct.files.digest import torch_crc32
 from copy_correct.files.shard_digest import verify_directory
 
-__all__ = ["join_shards", "posthoc", "rank_paths", "read_checkpoint"]
+__all__ = ["join_shards", "posthoc", "read_checkpoint", "snapshot_sets"]
 
 # What a checkpoint needs for load_from_checkpoint besides its weights (Lightning's own keys, where the run has them).
 KEPT = ("pytorch-lightning_version", "hyper_parameters", "hparams_name", "hparams_type", "epoch")
@@ -55,41 +55,75 @@ SHARD_FILE = re.compile(r"power-ema-(\d{9})-rank(\d+)of(\d+)\.pt")
 SHARD_LAYOUT = re.compile(r"Shard\(dim=(\d+)\) over a mesh of (\d+) ranks?")
 
 
-def rank_paths(directory: Path) -> list[list[Path]] | None:
-    """Each rank's snapshot files in ``directory``, in rank order, or ``None`` for an unsharded model's; a
-    ``ValueError`` when ranks are missing or hold other steps, or the files are of several world sizes."""
-    sharded = [(p, SHARD_FILE.fullmatch(p.name)) for p in sorted(directory.glob("power-ema-*-rank*of*.pt"))]
-    if not sharded:
-        return None
-    worlds = {int(m[3]) for _, m in sharded if m}
-    if len(worlds) != 1:
-        raise ValueError(f"{directory} holds the snapshots of {len(worlds)} world sizes {sorted(worlds)}: one run's")
-    world = worlds.pop()
-    ranks = [snapshot_paths(directory, rank=r) for r in range(world)]
-    steps = [[p.name.split("-")[2] for p in paths] for paths in ranks]
-    for rank, these in enumerate(steps):
-        if these != steps[0]:
+def snapshot_sets(directory: Path) -> list[list[Path]]:
+    """The snapshots in ``directory`` by step, each the files that hold it: an unsharded model's one file, or the W
+    files of a sharded one's ranks (``rank{r}of{W}``: W may change along a run resumed at another world size). A
+    ``ValueError`` naming the step for a snapshot whose ranks are not all there, or written at two world sizes."""
+    files: dict[int, list[tuple[int, int, Path]]] = {}
+    for path in snapshot_paths(directory):
+        files.setdefault(int(path.name[10:19]), []).append((0, 1, path))
+    for path in sorted(directory.glob("power-ema-*-rank*of*.pt")):
+        match = SHARD_FILE.fullmatch(path.name)
+        if match is not None:
+            files.setdefault(int(match[1]), []).append((int(match[2]), int(match[3]), path))
+    sets = []
+    for step, found in sorted(files.items()):
+        worlds = sorted({world for _, world, _ in found})
+        if len(worlds) > 1 or any(path.name == f"power-ema-{step:09d}.pt" for *_, path in found[1:]):
+            raise ValueError(f"{directory} holds the snapshot of step {step} twice, of world sizes {worlds}: one run's")
+        ranks = sorted(rank for rank, _, _ in found)
+        if ranks != list(range(worlds[0])):
+            missing = sorted(set(range(worlds[0])) - set(ranks))
             raise ValueError(
-                f"rank {rank} of {world} has snapshots of {len(these)} steps in {directory}, rank 0 of "
-                f"{len(steps[0])}: every rank writes one file per snapshot"
+                f"{directory} holds the snapshot of step {step} of ranks {ranks} of {worlds[0]} only (rank "
+                f"{missing[0] if missing else ranks[0]}'s file is missing or twice): every rank writes one file per "
+                "snapshot"
             )
-    return ranks
+        sets.append([path for _, _, path in sorted(found)])
+    return sets
+
+
+class JoinedProfile(Mapping[str, torch.Tensor]):
+    """One profile of a snapshot from its ranks' shards: each tensor joined when it is read (``join_one``), so a
+    synthesis holds one joined tensor at a time."""
+
+    def __init__(self, shards: list[Mapping[str, torch.Tensor]], layouts: Mapping[str, str]) -> None:
+        self.shards, self.layouts = shards, layouts
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return join_one(name, [rank[name] for rank in self.shards], self.layouts[name])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shards[0])
+
+    def __len__(self) -> int:
+        return len(self.shards[0])
+
+
+def joined_snapshot(states: list[Mapping[str, Any]]) -> Mapping[str, Any]:
+    """A snapshot of full tensors from its ranks' states (in rank order; one state: an unsharded model's, as it is)."""
+    if len(states) == 1 and "layout" not in states[0]:
+        return states[0]
+    first = states[0]
+    count = len(first["profiles"])
+    profiles = [JoinedProfile([s["profiles"][k] for s in states], first["layout"]) for k in range(count)]
+    return {key: v for key, v in first.items() if key not in ("rank", "world_size", "layout")} | {"profiles": profiles}
+
+
+def join_one(name: str, shards: list[torch.Tensor], spread: str) -> torch.Tensor:
+    """A full tensor from its shards in rank order, as its layout says: one not sharded is rank 0's; one sharded on
+    dim D of a mesh of W ranks is its shards concatenated on D."""
+    if spread == "not sharded":
+        return shards[0]
+    match = SHARD_LAYOUT.fullmatch(spread)
+    if match is None or int(match[2]) != len(shards):
+        raise ValueError(f"{name!r} is spread as {spread}: only Shard(dim=D) over one mesh of all ranks is joined")
+    return torch.cat(shards, dim=int(match[1]))
 
 
 def join_shards(shards: list[dict[str, torch.Tensor]], layouts: Mapping[str, str]) -> dict[str, torch.Tensor]:
-    """Full tensors from each rank's shards (``shards[r]``, by name), as each tensor's layout says: a tensor not
-    sharded is rank 0's; one sharded on dim D of a mesh of W ranks is its shards concatenated on D in rank order."""
-    joined = {}
-    for name, tensor in shards[0].items():
-        spread = layouts[name]
-        if spread == "not sharded":
-            joined[name] = tensor
-            continue
-        match = SHARD_LAYOUT.fullmatch(spread)
-        if match is None or int(match[2]) != len(shards):
-            raise ValueError(f"{name!r} is spread as {spread}: only Shard(dim=D) over one mesh of all ranks is joined")
-        joined[name] = torch.cat([rank[name] for rank in shards], dim=int(match[1]))
-    return joined
+    """Full tensors from each rank's shards (``shards[r]``, by name), as each tensor's layout says (``join_one``)."""
+    return {name: join_one(name, [rank[name] for rank in shards], layouts[name]) for name in shards[0]}
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:
@@ -117,16 +151,6 @@ def read_checkpoint(path: Path) -> dict[str, Any]:
     owners = tuple(f"{key}/" for key in checkpoint.get("callbacks", {}))
     checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if not k.startswith(owners)}
     return checkpoint
-
-
-def weights_at(
-    ranks: list[list[Mapping[str, Any]]], sigma_rel: float, step: int, sharded: bool
-) -> dict[str, torch.Tensor]:
-    """The post-hoc EMA of ``sigma_rel`` at ``step`` from each rank's loaded snapshots (one list of an unsharded
-    model's), as full tensors."""
-    if not sharded:
-        return synthesize(ranks[0], sigma_rel, step)
-    return join_shards([synthesize(states, sigma_rel, step) for states in ranks], ranks[0][0]["layout"])
 
 
 def base_checkpoint(directory: Path) -> Path:
@@ -176,14 +200,12 @@ def posthoc(
                 "give widths that differ in the first 3 decimals"
             )
     snapshots = snapshot_folder(run_dir)
-    ranks = rank_paths(snapshots)
+    sets = snapshot_sets(snapshots)
     # Each file read once: checked against its digests and memory-mapped (only the metadata is read here).
-    files = ranks if ranks is not None else [snapshot_paths(snapshots)]
-    loaded = [[load_snapshot(p) for p in paths] for paths in files]
-    states = loaded[0]
+    opened = {path: load_snapshot(path) for paths in sets for path in paths}
+    states = [joined_snapshot([opened[path] for path in paths]) for paths in sets]
     step = target_step((int(s["step"]) for s in states), step)  # the run's range: before the checkpoint is read
     # A history with a snapshot missing (a resumed run's directory without the earlier ones) would still solve.
-    opened = dict(zip(itertools.chain(*files), itertools.chain(*loaded), strict=True))
     check_snapshot_history(snapshots, step, states=opened)
     modules = {s.get("module") for s in states}
     if len(modules) > 1:
@@ -193,7 +215,7 @@ def posthoc(
     base = read_checkpoint(source)
     written = []
     for sigma_rel in widths:
-        weights = weights_at(loaded, sigma_rel, step, sharded=ranks is not None)
+        weights = synthesize(states, sigma_rel, step)
         path = source.parent / f"posthoc-ema-sigma{sigma_rel:.3f}-step{step:09d}.ckpt"
         meta = {"sigma_rel": sigma_rel, "step": step, "snapshots": str(snapshots), "module": module}
         write(base, weights, path, meta, module)

@@ -17,8 +17,9 @@ A post-hoc EMA is combined from every snapshot up to its step (``copy_correct.sy
   250, 400) or a single file give no verdict.
 
 Only names and metadata are used: each file is opened with ``load_snapshot`` (memory-mapped), unless the caller has
-opened it already and passes its state (``states``, by path), so nothing is read twice. A sharded run's files are
-checked rank by rank.
+opened it already and passes its state (``states``, by path), so nothing is read twice. A sharded run's history is
+its rank 0's files, across the world sizes of a run resumed at another; that each step has every rank's file is
+``copy_correct.averages.posthoc_command.snapshot_sets``'s check.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ def snapshot_gaps(
     order; ``[]`` when it is whole (module docstring). A folder with no snapshot has no gap. ``states``: snapshot
     states already loaded, by path (the rest are loaded here)."""
     folder = Path(directory)
-    groups = [snapshot_paths(folder)]
-    ranks = sorted({int(p.name.split("-rank")[1].split("of")[0]) for p in folder.glob("power-ema-*-rank*of*.pt")})
-    groups += [snapshot_paths(folder, rank=rank) for rank in ranks]
+    # A sharded run's history is followed through its rank 0's files, of every world size it ran at (each step's other
+    # ranks are checked with it: ``posthoc_command.snapshot_sets``).
+    groups = [snapshot_paths(folder), snapshot_paths(folder, rank=0)]
     gaps: list[str] = []
     for paths in groups:
         gaps += _gaps(folder, paths, step, states or {})

@@ -21,9 +21,12 @@ Copy contract:
 * Autograd sees nothing: the update runs after each optimizer step (``update_every`` and ``snapshot_every`` count
   them, from the step Lightning restored), in place, with no allocation and no host read.
 * Sharded (FSDP2): the profiles of each rank's shards, updated with no collective; checkpoints hold them as Lightning
-  holds the weights (a distributed checkpoint's directory, or one file, gathered); another spread is refused, naming
-  both (``CheckpointMismatch``). ``skip_nonfinite=True`` (opt-in) skips an update from non-finite weights, counted
-  in ``posthoc_ema/skipped`` once per epoch; refused when sharded, as ``PowerEMA`` refuses it.
+  holds the weights (a distributed checkpoint's directory, or one file, gathered), and a fit resumes them at another
+  world size (``torch.distributed.checkpoint`` reshards them into the new spread). The snapshot files then change
+  spread at the resume (``rank{r}of{W}``); the earlier ones are carried over by the new ranks (old rank ``r`` by new
+  rank ``r % W``), and ``copy-correct posthoc`` joins each step's files by its own world size.
+* ``skip_nonfinite=True`` (opt-in) skips an update from non-finite weights, counted in ``posthoc_ema/skipped`` once
+  per epoch; refused when sharded, as ``PowerEMA`` refuses it.
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ class PostHocEMASnapshots(AveragingCallback):
         self.power_ema: PowerEMA | None = None
         self._fit_start_step = 0  # the profiles' step when this fit started training
         self._written: Path | None = None  # this fit's last snapshot
-        self._stale: Path | None = None  # the final snapshot of the fit this one resumed, removed at the next one
+        self._stale: list[Path] = []  # the final snapshot of the fit this one resumed, removed at the next one
         self._previous: int | None = 0  # the step of the history's last scheduled snapshot; None: unknown (old state)
         self.carried: list[tuple[Path, str]] = []  # what this fit carried over from the run it resumed: path, how
 
@@ -111,16 +114,18 @@ class PostHocEMASnapshots(AveragingCallback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
-        self._written = self._stale = None
+        self._written, self._stale = None, []
         self.carried = []
         if self.power_ema is not None and self._directory is not None:
             self._fit_start_step = self.power_ema.step
             if self.power_ema.step > 0 and trainer.ckpt_path is not None and self.snapshot_dir is None:
                 self.carried = self._carry(Path(trainer.ckpt_path).parent / "power_ema", self.power_ema.applied_step)
-            if self.power_ema.step > 0:
-                resumed_at = self._directory / self._snapshot_name(self.power_ema.applied_step)
-                if resumed_at.is_file() and load_snapshot(resumed_at).get("final", False):
-                    self._stale = resumed_at
+            if self.power_ema.step > 0:  # the resumed fit's final snapshot, of whatever spread it was written at
+                at = self.power_ema.applied_step
+                self._stale = [
+                    path for path in self._owned(self._directory)
+                    if int(path.name[10:19]) == at and load_snapshot(path).get("final", False)
+                ]  # fmt: skip
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """The final snapshot: when this fit updated the profiles since its last snapshot (module docstring)."""
@@ -163,9 +168,10 @@ class PostHocEMASnapshots(AveragingCallback):
         )
         if not final and self._directory is not None and Path(directory) == self._directory:
             self._previous = int(state["step"])  # the next snapshot of this history follows this one
-        if self._stale is not None and self._stale != path:
-            self._stale.unlink(missing_ok=True)
-            self._stale = None
+        if self._stale and path not in self._stale:
+            for stale in self._stale:
+                stale.unlink(missing_ok=True)
+            self._stale = []
         self._written = path
         return path
 
@@ -175,20 +181,29 @@ class PostHocEMASnapshots(AveragingCallback):
         assert self._directory is not None and self.power_ema is not None
         if not source.is_dir() or (self._directory.is_dir() and source.samefile(self._directory)):
             return []
-        if self.power_ema.sharded:
-            import torch.distributed as dist
-
-            paths = snapshot_paths(source, rank=dist.get_rank())
-        else:
-            paths = snapshot_paths(source)
         carried = []
-        for path in paths:
+        for path in self._owned(source):
             state = load_snapshot(path)  # memory-mapped: only the metadata is read
             at = int(state["step"])
             if at > step or (at < step and state.get("final", False)) or (self._directory / path.name).exists():
                 continue
             carried.append((self._directory / path.name, link_or_copy(path, self._directory / path.name)))
         return carried
+
+    def _owned(self, directory: Path) -> list[Path]:
+        """The snapshot files in ``directory`` that this rank carries over and removes: its own at this world size,
+        and of another world size's ranks ``r`` those with ``r % world == rank`` (an unsharded model's: rank 0's)."""
+        rank, world = 0, 1
+        if self.power_ema is not None and self.power_ema.sharded:
+            import torch.distributed as dist
+
+            rank, world = dist.get_rank(), dist.get_world_size()
+        owned = snapshot_paths(directory) if rank == 0 else []
+        for path in sorted(directory.glob("power-ema-?????????-rank*of*.pt")):
+            of, within = (int(part) for part in path.name[:-3].split("-rank")[1].split("of"))
+            if (within == world and of == rank) or (within != world and of % world == rank):
+                owned.append(path)
+        return sorted(owned)
 
     def _snapshot_name(self, step: int) -> str:
         """This rank's file name for a snapshot of ``step`` (``snapshot_name``, with the rank when sharded)."""
@@ -233,17 +248,9 @@ class PostHocEMASnapshots(AveragingCallback):
         super().load_state_dict(state_dict)
 
     def _read(self, power_ema: PowerEMA, state: Mapping[str, Any]) -> Mapping[str, Any]:
-        """The state, its profiles read from the distributed checkpoint being restored where it names keys there,
-        after checking that it is spread as the model is (``torch.distributed.checkpoint`` would reshard silently)."""
-        spread = state.get("layout")
-        if spread is not None:
-            now = {name: layout(t) for name, t in power_ema.profiles[0].items()}
-            differ = sorted(name for name in now if spread.get(name, now[name]) != now[name])
-            if differ:
-                raise ValueError(
-                    f"the PowerEMA state for {differ[0]!r} is {spread[differ[0]]}, the model's is "
-                    f"{now[differ[0]]}: a run's profiles and snapshot files are of one spread"
-                )
+        """The state, its profiles read from the distributed checkpoint being restored where it names keys there (every
+        rank its shards, into tensors spread as the model is now: ``torch.distributed.checkpoint`` reshards a
+        checkpoint saved at another world size), after checking names and shapes."""
         if not any(isinstance(v, str) for saved in state["profiles"] for v in saved.values()):
             return state
         read = [

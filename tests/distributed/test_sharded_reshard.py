@@ -68,3 +68,64 @@ def test_ema_weights_resumes_a_distributed_checkpoint_at_another_world_size(tmp_
         worker(str(world), "load", "2")
         loaded = torch.load(tmp_path / f"loaded-2-to-{world}.pt", weights_only=True)
         assert same(loaded["ema"], saved["ema"]) and loaded["counters"] == saved["counters"] == (8, 8), world
+
+
+def posthoc_worker(out: Path, *args: str) -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "workers" / "sharded_posthoc_reshard.py"), str(out), *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env=child_env(TEST_PORT=free_port()),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def reference_snapshots(truth: dict[int, dict[str, torch.Tensor]], every: int) -> dict[int, dict]:
+    """An unsharded ``PowerEMA`` of the same network fed the gathered live weights after each step: its snapshots
+    every ``every`` steps, named as the LightningModule's ``state_dict``."""
+    from torch import nn
+
+    from copy_correct import PowerEMA
+
+    net = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 1))
+    power_ema = PowerEMA(net)
+    snapshots = {}
+    for step in sorted(truth):
+        net.load_state_dict({k.removeprefix("net."): v for k, v in truth[step].items()})
+        power_ema.update()
+        if step % every == 0:
+            state = power_ema.snapshot()
+            state["profiles"] = [{f"net.{k}": v for k, v in p.items()} for p in state["profiles"]]
+            snapshots[step] = state
+    return snapshots
+
+
+@pytest.mark.long  # Lightning fits in 2, then 1 and 4 gloo processes
+def test_posthoc_snapshots_resume_at_another_world_size_and_the_command_joins_each_steps_files(tmp_path: Path) -> None:
+    """``PostHocEMASnapshots`` saved at 2 ranks and resumed at 1 and 4: the profiles restored equal the ones saved bit
+    for bit; the resumed run's folder holds the earlier snapshots as rank files of 2 (carried over) and its own of the
+    new world size; ``copy-correct posthoc`` joins each step's files at its own size, and its checkpoint is the
+    post-hoc EMA of the live weights of both fits bit for bit. The control: one carried file removed, it refuses."""
+    from copy_correct import synthesize
+    from copy_correct.averages.posthoc_command import posthoc
+
+    posthoc_worker(tmp_path, "2", "save")
+    saved = torch.load(tmp_path / "saved-2.pt", weights_only=True)
+    assert saved["step"] == 8
+    for world, last in ((1, 24), (4, 12)):  # 8 steps an epoch at one rank, 2 at four; 2 more epochs
+        posthoc_worker(tmp_path, str(world), "load", "2")
+        loaded = torch.load(tmp_path / f"loaded-2-to-{world}.pt", weights_only=True)
+        assert loaded["step"] == saved["step"]
+        assert all(same(mine, theirs) for mine, theirs in zip(loaded["profiles"], saved["profiles"], strict=True))
+        folder = tmp_path / f"resumed-2-to-{world}" / "power_ema"
+        names = sorted(p.name for p in folder.iterdir())
+        earlier = [f"power-ema-{s:09d}-rank{r}of2.pt" for s in range(2, 9, 2) for r in range(2)]
+        later = [f"power-ema-{s:09d}-rank{r}of{world}.pt" for s in range(10, last + 1, 2) for r in range(world)]
+        assert names == sorted(earlier + later)
+        (path,) = posthoc(folder.parent, [0.08])
+        truth = saved["truth"] | loaded["truth"]
+        assert sorted(truth) == list(range(1, last + 1))
+        expected = synthesize(list(reference_snapshots(truth, 2).values()), 0.08)
+        weights = {n: t for n, t in torch.load(path, weights_only=False)["state_dict"].items() if n in expected}
+        assert weights.keys() == expected.keys() and all(torch.equal(weights[n], expected[n]) for n in expected)
+        (folder / "power-ema-000000004-rank1of2.pt").unlink()  # the control
+        with pytest.raises(ValueError, match=r"step 4 of ranks \[0\] of 2 only"):
+            posthoc(folder.parent, [0.08])

@@ -325,26 +325,28 @@ def test_under_ddp_rank_zero_alone_writes_the_snapshots(tmp_path: Path) -> None:
     assert all(torch.equal(final["profiles"][1][k], v) for k, v in ranks[0]["profiles"][1].items())
 
 
-def test_a_state_spread_otherwise_than_the_model_is_refused_naming_both() -> None:
-    """A run's snapshot files are of one spread, so a checkpoint of another world size or placement is refused; the
-    control: the same state with the model's own layout loads."""
-    from copy_correct.errors import CheckpointMismatch
-
+def test_a_state_saved_at_another_spread_loads_its_full_tensors() -> None:
+    """A sharded run's checkpoint written as one file holds the profiles gathered: it resumes an unsharded model (world
+    size 1), its layout naming the spread it was saved at. The control: a profile of another shape is refused."""
     callback = PostHocEMASnapshots()
     callback.power_ema = PowerEMA(Regressor().net)
     state = callback.power_ema.state_dict()
     names = list(state["profiles"][0])
-    with pytest.raises(
-        CheckpointMismatch, match=r"is Shard\(dim=0\) over a mesh of 4 ranks, the model's is not sharded"
-    ):
-        callback.load_state_dict(
-            {"power_ema": {**state, "layout": dict.fromkeys(names, "Shard(dim=0) over a mesh of 4 ranks")}}
-        )
-    callback.load_state_dict({"power_ema": {**state, "layout": dict.fromkeys(names, "not sharded")}})
+    moved = [{name: t + 1.0 if t.is_floating_point() else t for name, t in p.items()} for p in state["profiles"]]
+    saved = {**state, "profiles": moved, "layout": dict.fromkeys(names, "Shard(dim=0) over a mesh of 4 ranks")}
+    callback.load_state_dict({"power_ema": saved})
+    assert all(torch.equal(callback.power_ema.profiles[0][n], moved[0][n]) for n in names)
+    wrong = [{**p, names[0]: p[names[0]][:1]} for p in moved]
+    with pytest.raises(ValueError, match=names[0].replace(".", r"\.")):
+        callback.load_state_dict({"power_ema": {**saved, "profiles": wrong}})
 
 
-def test_the_command_refuses_rank_files_of_several_world_sizes_or_a_rank_that_missed_a_step(tmp_path: Path) -> None:
-    from copy_correct.averages.posthoc_command import rank_paths
+def test_the_command_takes_each_steps_rank_files_at_its_own_world_size_and_refuses_a_rank_missing(
+    tmp_path: Path,
+) -> None:
+    """A run resumed at another world size writes its later snapshots at that size: each step is its own set of files.
+    The controls: a step with a rank's file missing, and a step written at two world sizes, are refused naming it."""
+    from copy_correct.averages.posthoc_command import snapshot_sets
 
     for name in (
         "power-ema-000000002-rank0of2.pt",
@@ -352,10 +354,18 @@ def test_the_command_refuses_rank_files_of_several_world_sizes_or_a_rank_that_mi
         "power-ema-000000004-rank0of2.pt",
     ):
         (tmp_path / name).touch()
-    with pytest.raises(ValueError, match=r"rank 1 of 2 has snapshots of 1 steps .* rank 0 of 2"):
-        rank_paths(tmp_path)
+    with pytest.raises(ValueError, match=r"step 4 of ranks \[0\] of 2 only \(rank 1's file is missing"):
+        snapshot_sets(tmp_path)
     (tmp_path / "power-ema-000000004-rank1of2.pt").touch()
-    assert [[p.name[10:19] for p in paths] for paths in rank_paths(tmp_path) or []] == [["000000002", "000000004"]] * 2
-    (tmp_path / "power-ema-000000006-rank0of4.pt").touch()
-    with pytest.raises(ValueError, match=r"2 world sizes \[2, 4\]"):
-        rank_paths(tmp_path)
+    for rank in range(4):
+        (tmp_path / f"power-ema-000000006-rank{rank}of4.pt").touch()
+    (tmp_path / "power-ema-000000008-rank0of1.pt").touch()
+    assert [[p.name[10:] for p in paths] for paths in snapshot_sets(tmp_path)] == [
+        ["000000002-rank0of2.pt", "000000002-rank1of2.pt"],
+        ["000000004-rank0of2.pt", "000000004-rank1of2.pt"],
+        [f"000000006-rank{rank}of4.pt" for rank in range(4)],
+        ["000000008-rank0of1.pt"],
+    ]
+    (tmp_path / "power-ema-000000008-rank0of2.pt").touch()
+    with pytest.raises(ValueError, match=r"the snapshot of step 8 twice, of world sizes \[1, 2\]"):
+        snapshot_sets(tmp_path)

@@ -62,7 +62,8 @@ class Truth(pl.Callback):
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor().cpu() if is_sharded(t) else t.detach().cpu().clone()
+    """A new full CPU tensor of ``t``: on a mesh of one rank ``full_tensor()`` is the shard itself, so it is cloned."""
+    return (t.full_tensor() if is_sharded(t) else t.detach()).cpu().clone()
 
 
 def fit(directory: Path, distributed: bool, epochs: int, ckpt_path: Path | None = None, callback: type = EMAWeights):
