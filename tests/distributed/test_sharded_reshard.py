@@ -3,9 +3,11 @@ and ``PowerEMA`` of an FSDP2 network with uneven shards saved by ``torch.distrib
 loaded at 1 and 4, and saved at 1 and 4 and loaded at 2, each world size its own group of gloo processes. The average
 loaded, gathered at the new world size, equals the one gathered at the old bit for bit, counters included, and each
 rank holds only its own shards of it (resharded by the checkpoint's reader, not gathered onto one rank). The control:
-the same averages before the load. Then the same through Lightning: ``EMAWeights`` under ``ModelParallelStrategy``,
-its distributed checkpoint saved at 2 ranks and the fit resumed from it at 1 and 4
-(``tests/workers/sharded_callback_reshard.py``)."""
+the same averages before the load. Then the same through Lightning under ``ModelParallelStrategy``, a distributed
+checkpoint saved at 2 ranks and the fit resumed from it at 1 and 4, and saved at 1 and 4 and resumed at 2:
+``EMAWeights`` (``tests/workers/sharded_callback_reshard.py``) and ``PostHocEMASnapshots``, whose snapshot files
+change world size at the resume and which ``copy-correct posthoc`` joins step by step
+(``tests/workers/sharded_posthoc_reshard.py``)."""
 
 from __future__ import annotations
 
@@ -53,8 +55,11 @@ def test_an_average_saved_at_one_world_size_loads_at_another_equal_to_the_gather
     assert max(loaded["held"]) < FULL_SHADOW_PARAMETER_BYTES or target == 1
 
 
-@pytest.mark.long  # Lightning fits in 2, 1 and 4 gloo processes
-def test_ema_weights_resumes_a_distributed_checkpoint_at_another_world_size(tmp_path: Path) -> None:
+@pytest.mark.long  # Lightning fits in 1, 2 and 4 gloo processes
+@pytest.mark.parametrize(("source", "worlds"), [(2, (1, 4)), (1, (2,)), (4, (2,))])
+def test_ema_weights_resumes_a_distributed_checkpoint_at_another_world_size(
+    tmp_path: Path, source: int, worlds: tuple[int, ...]
+) -> None:
     def worker(*args: str) -> None:
         result = subprocess.run(
             [sys.executable, str(ROOT / "tests" / "workers" / "sharded_callback_reshard.py"), str(tmp_path), *args],
@@ -62,12 +67,12 @@ def test_ema_weights_resumes_a_distributed_checkpoint_at_another_world_size(tmp_
         )  # fmt: skip
         assert result.returncode == 0, result.stderr[-3000:]
 
-    worker("2", "save")
-    saved = torch.load(tmp_path / "gathered-2.pt", weights_only=True)
-    for world in (1, 4):
-        worker(str(world), "load", "2")
-        loaded = torch.load(tmp_path / f"loaded-2-to-{world}.pt", weights_only=True)
-        assert same(loaded["ema"], saved["ema"]) and loaded["counters"] == saved["counters"] == (8, 8), world
+    worker(str(source), "save")
+    saved = torch.load(tmp_path / f"gathered-{source}.pt", weights_only=True)
+    for world in worlds:
+        worker(str(world), "load", str(source))
+        loaded = torch.load(tmp_path / f"loaded-{source}-to-{world}.pt", weights_only=True)
+        assert same(loaded["ema"], saved["ema"]) and loaded["counters"] == saved["counters"], world
 
 
 def posthoc_worker(out: Path, *args: str) -> None:
@@ -98,34 +103,48 @@ def reference_snapshots(truth: dict[int, dict[str, torch.Tensor]], every: int) -
     return snapshots
 
 
-@pytest.mark.long  # Lightning fits in 2, then 1 and 4 gloo processes
-def test_posthoc_snapshots_resume_at_another_world_size_and_the_command_joins_each_steps_files(tmp_path: Path) -> None:
-    """``PostHocEMASnapshots`` saved at 2 ranks and resumed at 1 and 4: the profiles restored equal the ones saved bit
-    for bit; the resumed run's folder holds the earlier snapshots as rank files of 2 (carried over) and its own of the
-    new world size; ``copy-correct posthoc`` joins each step's files at its own size, and its checkpoint is the
-    post-hoc EMA of the live weights of both fits bit for bit. The control: one carried file removed, it refuses."""
+@pytest.fixture(scope="module")
+def posthoc_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder for the post-hoc runs: each world size's saved run is made once, by the first pair that needs it."""
+    return tmp_path_factory.mktemp("posthoc_reshard")
+
+
+@pytest.mark.long  # Lightning fits in 1, 2 and 4 gloo processes
+@pytest.mark.parametrize(("source", "world"), [(2, 1), (2, 4), (1, 2), (4, 2)])
+def test_posthoc_snapshots_resume_at_another_world_size_and_the_command_joins_each_steps_files(
+    posthoc_runs: Path, source: int, world: int
+) -> None:
+    """``PostHocEMASnapshots`` saved at one world size and resumed at another: the profiles restored equal the ones
+    saved bit for bit; the resumed run's folder holds the earlier snapshots as rank files of the old size (carried
+    over) and its own of the new; ``copy-correct posthoc`` joins each step's files at its own size, and its checkpoint
+    is the post-hoc EMA of the live weights of both fits bit for bit. The control: one carried file removed, the
+    command refuses naming the step."""
     from copy_correct import synthesize
     from copy_correct.averages.posthoc_command import posthoc
 
-    posthoc_worker(tmp_path, "2", "save")
-    saved = torch.load(tmp_path / "saved-2.pt", weights_only=True)
-    assert saved["step"] == 8
-    for world, last in ((1, 24), (4, 12)):  # 8 steps an epoch at one rank, 2 at four; 2 more epochs
-        posthoc_worker(tmp_path, str(world), "load", "2")
-        loaded = torch.load(tmp_path / f"loaded-2-to-{world}.pt", weights_only=True)
-        assert loaded["step"] == saved["step"]
-        assert all(same(mine, theirs) for mine, theirs in zip(loaded["profiles"], saved["profiles"], strict=True))
-        folder = tmp_path / f"resumed-2-to-{world}" / "power_ema"
-        names = sorted(p.name for p in folder.iterdir())
-        earlier = [f"power-ema-{s:09d}-rank{r}of2.pt" for s in range(2, 9, 2) for r in range(2)]
-        later = [f"power-ema-{s:09d}-rank{r}of{world}.pt" for s in range(10, last + 1, 2) for r in range(world)]
-        assert names == sorted(earlier + later)
-        (path,) = posthoc(folder.parent, [0.08])
-        truth = saved["truth"] | loaded["truth"]
-        assert sorted(truth) == list(range(1, last + 1))
-        expected = synthesize(list(reference_snapshots(truth, 2).values()), 0.08)
-        weights = {n: t for n, t in torch.load(path, weights_only=False)["state_dict"].items() if n in expected}
-        assert weights.keys() == expected.keys() and all(torch.equal(weights[n], expected[n]) for n in expected)
-        (folder / "power-ema-000000004-rank1of2.pt").unlink()  # the control
-        with pytest.raises(ValueError, match=r"step 4 of ranks \[0\] of 2 only"):
-            posthoc(folder.parent, [0.08])
+    def steps(ranks: int) -> int:  # optimizer steps an epoch: 8 batches shared by the ranks
+        return 8 // ranks
+
+    out = posthoc_runs
+    if not (out / f"saved-{source}.pt").exists():
+        posthoc_worker(out, str(source), "save")
+    saved = torch.load(out / f"saved-{source}.pt", weights_only=True)
+    first, last = 2 * steps(source), 2 * steps(source) + 2 * steps(world)  # 2 epochs, then 2 more
+    assert saved["step"] == first
+    posthoc_worker(out, str(world), "load", str(source))
+    loaded = torch.load(out / f"loaded-{source}-to-{world}.pt", weights_only=True)
+    assert loaded["step"] == saved["step"]
+    assert all(same(mine, theirs) for mine, theirs in zip(loaded["profiles"], saved["profiles"], strict=True))
+    folder = out / f"resumed-{source}-to-{world}" / "power_ema"
+    earlier = [f"power-ema-{s:09d}-rank{r}of{source}.pt" for s in range(2, first + 1, 2) for r in range(source)]
+    later = [f"power-ema-{s:09d}-rank{r}of{world}.pt" for s in range(first + 2, last + 1, 2) for r in range(world)]
+    assert sorted(p.name for p in folder.iterdir()) == sorted(earlier + later)
+    (path,) = posthoc(folder.parent, [0.08])
+    truth = saved["truth"] | loaded["truth"]
+    assert sorted(truth) == list(range(1, last + 1))
+    expected = synthesize(list(reference_snapshots(truth, 2).values()), 0.08)
+    weights = {n: t for n, t in torch.load(path, weights_only=False)["state_dict"].items() if n in expected}
+    assert weights.keys() == expected.keys() and all(torch.equal(weights[n], expected[n]) for n in expected)
+    (folder / f"power-ema-000000002-rank{source - 1}of{source}.pt").unlink()  # the control
+    with pytest.raises(ValueError, match=r"the snapshot of step 2 of ranks|the snapshot of step 2, which"):
+        posthoc(folder.parent, [0.08])
