@@ -17,7 +17,14 @@ before it and its own, one vector add over all groups (a plain ``np.cumsum`` ove
 rows waits on each add before the next, several times slower). So every sum is a function of the leaves alone: a
 tree rebuilt from saved leaves is the same, bit for bit, and draws what the original would.
 
-Copy contract: the tree is new host memory, allocated at construction (about 17 bytes a row); ``state`` shares the
+Most draws skip the tree: rejection sampling (``_rejected``) takes rows uniformly below the last group holding a
+priority (``_high``) and keeps each with probability ``p_i / max p``, which gives row ``i`` with probability ``P(i)``
+exactly, in about five numpy calls for a batch, where the tree's descent takes ten. It needs the largest priority
+(each group's and run's, kept as the minimums are) and pays in candidates: ``1 / kept`` of them per row kept, ``kept``
+being ``total / (_high * max p)``; below ``MIN_KEPT`` (a priority far above the rest) the tree draws. ``_high`` and the
+largest are functions of the leaves too, so the choice and the draws survive a save and load.
+
+Copy contract: the tree is new host memory, allocated at construction (about 17.3 bytes a row); ``state`` shares the
 leaves (not copied), ``load`` copies them in. Nothing is seen by autograd: priorities given as tensors are read
 through ``detach()`` and copied to the host (a CUDA tensor: one copy the host waits for).
 """
@@ -36,6 +43,7 @@ __all__ = ["FANOUT", "Priorities", "check_alpha", "check_beta"]
 
 FANOUT = 32  # leaves in a group and groups in a run: a draw compares a (batch, 32) gather, twice
 MAX_NOTED = 1024  # writes noted one by one between two reads; past them, the next read recomputes every group
+MIN_KEPT = 0.15  # rejection sampling while at least this share of uniform candidates is kept; below it, the tree
 
 
 def check_alpha(alpha: Any) -> float:
@@ -67,19 +75,24 @@ class Priorities:
         self._totals = np.zeros((runs, FANOUT))  # each group's total, by run
         self._mins = np.full((runs, FANOUT), math.inf)  # each group's smallest priority, by run
         self._run_mins = np.full(runs, math.inf)  # each run's smallest
+        self._maxs = np.zeros((runs, FANOUT))  # each group's largest priority, by run
+        self._run_maxs = np.zeros(runs)  # each run's largest
         self._runs = np.zeros((runs, FANOUT))  # the running sums of the groups' totals within each run
         self._run_sums = np.zeros(runs + 1)  # 0, then the running sum of the runs' totals: the whole, last
         self._top = np.zeros(1 + (runs + 1) * FANOUT)  # 0, then the running sum of every group's total, by run:
         self._ends = self._top[1:].reshape(runs + 1, FANOUT)  # a run's group's, its total included; then one of inf
         self._ends[-1] = math.inf  # (the run past the last: a mass rounded up to the whole lands in the group of none)
         self._min = math.inf  # the smallest priority of a drawable row
+        self._max = 0.0  # the largest
+        self._high = 0  # the rows below this hold every priority: past the last group of any (a function of them)
         self._changed: list[Any] = []  # groups of leaves written since the last _flush
         self._all_changed = False  # so many writes since the last _flush that every group is recomputed
         self._new = 1.0  # max_priority ** alpha
 
     @property
     def nbytes(self) -> int:
-        sums = (self._sums, self._totals, self._mins, self._run_mins, self._runs, self._run_sums, self._top)
+        sums = (self._sums, self._totals, self._mins, self._run_mins, self._maxs, self._run_maxs, self._runs,
+                self._run_sums, self._top)  # fmt: skip
         return self._leaves.nbytes + sum(a.nbytes for a in sums)
 
     # -- writes: leaves only ------------------------------------------------------------------------------------
@@ -124,16 +137,37 @@ class Priorities:
     # -- reads: after the sums are recomputed -------------------------------------------------------------------
 
     def draw(self, batch_size: int, generator: torch.Generator | None) -> np.ndarray:
-        """``batch_size`` rows drawn with replacement, each with probability ``P(i)``: masses uniform in [0, total)
-        from ``generator`` on the CPU, each one's run, group and row found in turn (module docstring: never one of
-        priority 0). A mass that rounding carries past a group's last row with a priority (rare: the group past the
-        last, of none, takes a mass rounded up to the whole) is drawn again, with the next numbers."""
+        """``batch_size`` rows drawn with replacement, each with probability ``P(i)``, from ``generator`` on the CPU:
+        by rejection where a row taken uniformly is kept often enough (``_rejected``), else by the tree: masses
+        uniform in [0, total), each one's run, group and row found in turn (module docstring: never one of priority
+        0). A mass that rounding carries past a group's last row with a priority (rare: the group past the last, of
+        none, takes a mass rounded up to the whole) is drawn again, with the next numbers."""
         self._flush()
+        kept = self._run_sums[-1] / (self._high * self._max) if self._max > 0 else 0.0
+        if kept >= MIN_KEPT:
+            return self._rejected(batch_size, generator, kept)
         rows = self._descend(self._masses(batch_size, generator))
         while not self._leaves.take(rows).all():
             empty = self._leaves.take(rows) == 0
             rows[empty] = self._descend(self._masses(int(empty.sum()), generator))
         return rows
+
+    def _rejected(self, batch_size: int, generator: torch.Generator | None, kept: float) -> np.ndarray:
+        """Rejection sampling: rows ``i`` uniform below ``_high`` each kept with probability ``p_i / max p`` (a
+        uniform ``u`` with ``u * max p < p_i``: never one of priority 0), so a kept row is ``i`` with probability
+        ``P(i)``, independently; enough candidates that a batch is almost always filled at once (``kept``: the share
+        kept, ``total / (rows * max p)``), and more drawn for the rest when not. Each round is one ``torch.rand`` of
+        float64 from ``generator``: the candidates, then their ``u``."""
+        rows: list[np.ndarray] = []
+        need = batch_size
+        while need:
+            count = int(need / kept * 1.25) + 8
+            numbers = torch.rand(2 * count, dtype=torch.float64, generator=generator).numpy()
+            candidates = (numbers[:count] * self._high).astype(np.int64)  # row _high (rounding up) has no priority
+            chosen = candidates[np.flatnonzero(numbers[count:] * self._max < self._leaves.take(candidates))[:need]]
+            rows.append(chosen)
+            need -= len(chosen)
+        return rows[0] if len(rows) == 1 else np.concatenate(rows)
 
     def _masses(self, count: int, generator: torch.Generator | None) -> np.ndarray:
         """``count`` masses uniform in [0, total): torch's ``uniform_`` in float64, from ``generator``."""
@@ -172,12 +206,16 @@ class Priorities:
         self._sums[groups, :-1] = sums[:, :-1]
         self._totals.reshape(-1)[groups] = sums[:, -1]
         self._mins.reshape(-1)[groups] = np.where(leaves > 0, leaves, math.inf).min(1)  # a 0 is not the smallest
+        self._maxs.reshape(-1)[groups] = leaves.max(1)
+        self._high = _past_last(self._totals.reshape(-1), groups, self._high // FANOUT)
         runs = np.unique(groups // FANOUT)
         self._runs[runs] = np.cumsum(self._totals[runs], axis=1)
         self._run_mins[runs] = self._mins[runs].min(1)
+        self._run_maxs[runs] = self._maxs[runs].max(1)
         np.cumsum(self._runs[:, -1], out=self._run_sums[1:])  # exact: one add at a time, as the top's last of a run
         np.add(self._run_sums[:-1, None], self._runs, out=self._ends[:-1])
         self._min = float(self._run_mins.min())
+        self._max = float(self._run_maxs.max())
 
     # -- state --------------------------------------------------------------------------------------------------
 
@@ -208,3 +246,16 @@ class Priorities:
         self._new = self.max_priority**self.alpha
         self._all_changed = True
         self._flush()
+
+
+def _past_last(totals: np.ndarray, groups: np.ndarray, past: int) -> int:
+    """The first row past the last group whose total is not 0, after ``groups`` (sorted) were recomputed, ``past``
+    the group past the last one before: a group written above it is the new last where it holds a priority; the last
+    emptied, the one below it that is not (a scan, rare: a whole group of 32 rows cleared at the top)."""
+    held = groups[totals.take(groups) > 0]
+    if held.size and held[-1] >= past:
+        return (int(held[-1]) + 1) * FANOUT
+    if past and totals[past - 1] == 0:
+        nonzero = np.flatnonzero(totals[: past - 1])
+        return (int(nonzero[-1]) + 1) * FANOUT if nonzero.size else 0
+    return past * FANOUT

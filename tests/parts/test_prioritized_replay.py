@@ -53,8 +53,20 @@ def given_priorities(buffer: ReplayBuffer | FrameReplayBuffer) -> np.ndarray:
 BOTH = pytest.mark.parametrize("kind", ["ReplayBuffer", "FrameReplayBuffer"])
 
 
+PATHS = pytest.mark.parametrize("path", ["rejection", "tree"])
+
+
+def forced(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """Every draw by rejection (any share kept is enough) or by the tree (none is)."""
+    monkeypatch.setattr(priorities, "MIN_KEPT", 0.0 if path == "rejection" else np.inf)
+
+
 @BOTH
-def test_rows_are_drawn_in_proportion_to_their_priority_to_the_alpha(kind: str) -> None:
+@PATHS
+def test_rows_are_drawn_in_proportion_to_their_priority_to_the_alpha(
+    kind: str, path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    forced(monkeypatch, path)
     buffer = numbered(kind)
     given_priorities(buffer)
     drawn = buffer.sample(200_000, torch.Generator().manual_seed(0))["reward"].long().numpy()
@@ -252,6 +264,7 @@ def test_a_batch_goes_to_the_device_asked_for(device: torch.device) -> None:
 def test_a_mass_rounded_past_the_last_priority_is_drawn_again_never_landing_on_an_empty_row(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    forced(monkeypatch, "tree")
     tree = Priorities(100, ALPHA)
     tree.set_new(np.arange(10))  # rows 10 to 99: no transition
     tree._flush()
@@ -260,6 +273,40 @@ def test_a_mass_rounded_past_the_last_priority_is_drawn_again_never_landing_on_a
     monkeypatch.setattr(tree, "_masses", lambda count, generator: next(masses))
     rows = tree.draw(2, None)
     assert rows.tolist() == [5, 2]  # the first drawn again at half the mass; the second kept
+
+
+def test_a_draw_is_by_rejection_while_enough_candidates_are_kept_and_by_the_tree_past_that() -> None:
+    """Rejection while a uniform candidate is kept with probability ``total / (rows * max p)`` of at least
+    ``MIN_KEPT``; the control: one priority far above the rest keeps too few, and the tree draws."""
+    tree = Priorities(4096, ALPHA)
+    tree.set_new(np.arange(4000))
+    tree.update(np.arange(4000), np.linspace(0.5, 2.0, 4000))
+    tree._flush()
+    assert tree._high == 4000 and tree._run_sums[-1] / (tree._high * tree._max) >= priorities.MIN_KEPT
+    tree._masses = None  # the tree's masses: not used by rejection
+    assert tree.draw(64, torch.Generator().manual_seed(0)).shape == (64,)
+    tree.update(np.array([7]), np.array([1e6]))  # the control
+    tree._flush()
+    assert tree._run_sums[-1] / (tree._high * tree._max) < priorities.MIN_KEPT
+    with pytest.raises(TypeError):  # the tree asks for masses
+        tree.draw(64, torch.Generator().manual_seed(0))
+
+
+def test_the_rows_below_which_every_priority_lies_are_a_function_of_the_leaves() -> None:
+    """``_high`` (where rejection's candidates end) follows the last group holding a priority, down as well as up,
+    and a tree rebuilt from saved leaves has the same: a resumed buffer keeps the candidates, so the draws."""
+    tree = Priorities(512, ALPHA)
+    tree.set_new(np.arange(300))
+    tree._flush()
+    assert tree._high == 320  # the 10th group of 32 holds rows 288 to 299
+    tree.clear(np.arange(288, 300))
+    tree._flush()
+    assert tree._high == 288
+    rebuilt = Priorities(512, ALPHA)
+    rebuilt.load(tree.state())
+    assert rebuilt._high == tree._high and rebuilt._max == tree._max
+    seeded = functools.partial(torch.Generator().manual_seed, 3)
+    assert np.array_equal(rebuilt.draw(100, seeded()), tree.draw(100, seeded()))
 
 
 def test_a_buffer_filled_without_a_read_draws_what_one_noting_every_write_draws(
