@@ -105,7 +105,7 @@ def torchrl(capacity: int) -> dict[str, Callable[[], Any]] | Missing:
         buffer.update_priority(info["index"], batch["reward"].abs() + 1e-6)
 
     def spread() -> float:
-        buffer.update_priority(torch.arange(capacity), torch.from_numpy(spread_priorities(capacity)))
+        buffer.update_priority(torch.arange(capacity), torch.from_numpy(spread_priorities(capacity)).float())
         return 1.0
 
     return {"sample": partial(buffer.sample, return_info=True), "update": draw_and_update, "spread": spread}
