@@ -33,7 +33,7 @@ import torch._dynamo
 from torch import nn
 
 from benchmarks.peers import Missing, label, load, timm_model_ema
-from benchmarks.report import command_line, measured_on, median_ms, parse_args, write_section
+from benchmarks.report import cpu_header, median_ms, parse_args, write_section
 from copy_correct import EMA
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,9 +161,7 @@ def main(argv: list[str]) -> int:
     width, depth, backend = (64, 2, "aot_eager") if args.quick else (1024, 4, "inductor")
     text = table(width, depth, backend, budget)
     print(text, flush=True)
-    header = measured_on(torch.device("cpu"), command_line("benchmarks.compiled_ema", args) + (
-        " --quick" if args.quick else ""
-    )) + " " + __doc__.split("\n\n")[2].replace("\n", " ")  # fmt: skip
+    header = cpu_header("benchmarks.compiled_ema", args, __doc__)
     write_section(args.output, "compiled-ema-cpu", "EMA compiled into the step (cpu)", header, text)
     print(f"wrote {args.output}")
     return 0

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from benchmarks.peers import Missing, label, load, timm_model_ema
-from benchmarks.report import command_line, measured_on, median_ms, parse_args, write_section
+from benchmarks.report import cpu_header, median_ms, parse_args, write_section
 from copy_correct import EMA
 from copy_correct.probes import MemoryProbe
 
@@ -136,9 +136,7 @@ def main(argv: list[str]) -> int:
     width, rank = (64, 4) if args.quick else (1024, 16)
     text = table(width, rank, budget)
     print(text, flush=True)
-    header = measured_on(torch.device("cpu"), command_line("benchmarks.lora_ema", args) + (
-        " --quick" if args.quick else ""
-    )) + " " + __doc__.split("\n\n")[2].replace("\n", " ")  # fmt: skip
+    header = cpu_header("benchmarks.lora_ema", args, __doc__)
     write_section(args.output, "lora-ema-cpu", "EMA of a LoRA-adapted block (cpu)", header, text)
     print(f"wrote {args.output}")
     return 0

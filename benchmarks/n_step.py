@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.peers import Missing, label, load
-from benchmarks.report import command_line, measured_on, median_ms, parse_args, write_section
+from benchmarks.report import cpu_header, median_ms, parse_args, write_section
 from copy_correct import ReplayBuffer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,10 +133,7 @@ def main(argv: list[str]) -> int:
     text, not_run = table(capacity, budget)
     text += "".join(f"\n\nNot run: {name}: {why}." for name, why in not_run.items())
     print(text, flush=True)
-    header = (
-        measured_on(torch.device("cpu"), command_line("benchmarks.n_step", args) + (" --quick" if args.quick else ""))
-        + f" Obs 4 float32, capacity {capacity:,}, gamma {GAMMA}. " + __doc__.split("\n\n")[2].replace("\n", " ")
-    )  # fmt: skip
+    header = cpu_header("benchmarks.n_step", args, __doc__, f"Obs 4 float32, capacity {capacity:,}, gamma {GAMMA}.")
     write_section(args.output, "n-step-cpu", f"N-step returns, n_steps={N_STEPS} (cpu)", header, text)
     print(f"wrote {args.output}")
     return 0

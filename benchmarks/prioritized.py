@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from benchmarks import frame_replay
 from benchmarks.peers import Missing, label, load
-from benchmarks.report import command_line, measured_on, median_ms, parse_args, write_section
+from benchmarks.report import cpu_header, median_ms, parse_args, write_section
 from copy_correct import ReplayBuffer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,11 +190,7 @@ def main(argv: list[str]) -> int:
     text += "".join(f"\n\nNot run: {name}: {why}." for name, why in not_run.items())
     text += "\n\n" + memory_table(20_000 if args.quick else 1_000_000, budget)
     print(text, flush=True)
-    header = (
-        measured_on(torch.device("cpu"), command_line("benchmarks.prioritized", args) + (" --quick" if args.quick
-                                                                                        else ""))
-        + f" Obs 4 float32, capacity {capacity:,}. " + __doc__.split("\n\n")[2].replace("\n", " ")
-    )  # fmt: skip
+    header = cpu_header("benchmarks.prioritized", args, __doc__, f"Obs 4 float32, capacity {capacity:,}.")
     write_section(args.output, "prioritized-cpu", "Prioritized replay (cpu)", header, text)
     print(f"wrote {args.output}")
     return 0

@@ -162,6 +162,14 @@ def parse_args(
     return args, device, budget
 
 
+def cpu_header(module: str, args: argparse.Namespace, doc: str, sizes: str = "") -> str:
+    """A CPU section's first paragraph: where and how it was measured (``--quick`` included), ``sizes``, then the
+    third paragraph of the benchmark's docstring (what its rows are)."""
+    command = command_line(module, args) + (" --quick" if args.quick else "")
+    rows = doc.split("\n\n")[2].replace("\n", " ")
+    return measured_on(torch.device("cpu"), command) + (f" {sizes}" if sizes else "") + " " + rows
+
+
 def command_line(module: str, args: argparse.Namespace) -> str:
     """The command that reproduces a run of ``module`` (``benchmarks.ema``), with the options that change what is
     measured."""

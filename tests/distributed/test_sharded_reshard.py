@@ -23,12 +23,17 @@ from tests.conftest import ROOT, child_env, free_port
 FULL_SHADOW_PARAMETER_BYTES = 4 * (33 * 16 + 33 + 33 + 33 + 5 * 33 + 5 + 5 + 1)
 
 
-def run(out: Path, *args: str) -> None:
+def worker(script: str, out: Path, *args: str) -> None:
+    """Run ``tests/workers/SCRIPT`` with ``out`` and ``args``, on a port of its own; it must succeed."""
     result = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "workers" / "sharded_reshard.py"), str(out), *args],
+        [sys.executable, str(ROOT / "tests" / "workers" / script), str(out), *args],
         cwd=ROOT, capture_output=True, text=True, timeout=600, env=child_env(TEST_PORT=free_port()),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def run(out: Path, *args: str) -> None:
+    worker("sharded_reshard.py", out, *args)
 
 
 def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -60,27 +65,19 @@ def test_an_average_saved_at_one_world_size_loads_at_another_equal_to_the_gather
 def test_ema_weights_resumes_a_distributed_checkpoint_at_another_world_size(
     tmp_path: Path, source: int, worlds: tuple[int, ...]
 ) -> None:
-    def worker(*args: str) -> None:
-        result = subprocess.run(
-            [sys.executable, str(ROOT / "tests" / "workers" / "sharded_callback_reshard.py"), str(tmp_path), *args],
-            cwd=ROOT, capture_output=True, text=True, timeout=600, env=child_env(TEST_PORT=free_port()),
-        )  # fmt: skip
-        assert result.returncode == 0, result.stderr[-3000:]
+    def callback_worker(*args: str) -> None:
+        worker("sharded_callback_reshard.py", tmp_path, *args)
 
-    worker(str(source), "save")
+    callback_worker(str(source), "save")
     saved = torch.load(tmp_path / f"gathered-{source}.pt", weights_only=True)
     for world in worlds:
-        worker(str(world), "load", str(source))
+        callback_worker(str(world), "load", str(source))
         loaded = torch.load(tmp_path / f"loaded-{source}-to-{world}.pt", weights_only=True)
         assert same(loaded["ema"], saved["ema"]) and loaded["counters"] == saved["counters"], world
 
 
 def posthoc_worker(out: Path, *args: str) -> None:
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "workers" / "sharded_posthoc_reshard.py"), str(out), *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env=child_env(TEST_PORT=free_port()),
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    worker("sharded_posthoc_reshard.py", out, *args)
 
 
 def reference_snapshots(truth: dict[int, dict[str, torch.Tensor]], every: int) -> dict[int, dict]:
