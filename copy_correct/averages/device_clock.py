@@ -1,4 +1,4 @@
-"""``DeviceClock``: an ``EMA``'s counters and decay kept as 0-dim tensors on the shadow's device
+"""``DeviceClock``: an ``EMA``'s counters and decay kept as tensors on the shadow's device
 (``EMA(model, traceable=True)``), so that ``ema.update(model)`` traces into a ``torch.compile``d step as one graph.
 
 Why: every peer's update reads a Python counter and computes the decay as a Python float. Dynamo makes each of them a
@@ -7,13 +7,14 @@ it whenever the counter is read. Here no Python number changes from one update t
 averaging updates made and the weight ``1 - decay`` are tensors, written in place by the update itself.
 
 Copy contract: new storage once, at construction: the counters (float64, exact below 2**53), the weight and its
-scratch, and one 0-dim weight per dtype averaged, all on the shadow's device. An update writes each shadow in place,
+scratch, and one weight per dtype averaged, all on the shadow's device, each of shape ``(1,)`` (inductor drops a write
+into a 0-dim CPU input: measured with torch 2.13.0). An update writes each shadow in place,
 one op per tensor (``lerp_`` by the weight, ``copy_`` for integer buffers); with ``start_step`` or ``update_every``
 the choice between averaging, copying and keeping is a ``torch.where`` of flags on the device, and an eager update
 then holds one tensor's temporaries at a time (a compiled one fuses them into the write). Nothing is read back to the
 host; reading a counter (``counts``) is a sync, the reader's. The weight is ``DecaySchedule.write_weight``'s: the
 host's float64 arithmetic in its order, rounded to the shadow's dtype as ``lerp_`` rounds a Python float, so an eager
-update is the host-counted one bit for bit; under inductor, which generates its own ``lerp``, within an ulp
+update is the host-counted one bit for bit; under inductor, which generates its own ``lerp``, within float32 rounding
 (``tests/parts/test_ema_compiled.py`` measures it).
 """
 
@@ -54,18 +55,10 @@ def traced_values(model: nn.Module, groups: Sequence[Group], kind: str) -> list[
     named = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
     values = []
     for group in groups:
-        lives = []
+        lives, alike = [], (group.live_dtype, group.live_device)
         for name, shadow in zip(group.names, group.shadows, strict=True):
             live = named.get(name)
-            if (
-                live is None
-                or live.shape != shadow.shape
-                or (live.dtype, live.device)
-                != (
-                    group.live_dtype,
-                    group.live_device,
-                )
-            ):
+            if live is None or live.shape != shadow.shape or (live.dtype, live.device) != alike:
                 raise RuntimeError(
                     f"{kind}: the model's {name!r} is missing, reshaped or moved since the {kind} was built: nothing "
                     "was averaged"
@@ -80,7 +73,7 @@ class DeviceClock:
     shadows of ``dtypes``."""
 
     def __init__(self, device: torch.device, dtypes: Sequence[torch.dtype]) -> None:
-        def zero() -> torch.Tensor:  # shape (1,), not 0-dim: inductor drops a write into a 0-dim CPU input
+        def zero() -> torch.Tensor:
             return torch.zeros(1, dtype=torch.float64, device=device)
 
         self.calls, self.made = zero(), zero()
@@ -114,10 +107,11 @@ class DeviceClock:
             copy = calls < start_step
             flags = (copy, copy | (torch.remainder(calls - start_step, update_every) == 0))  # (copy, due)
         for shadows, values, average in groups:
-            weight = self._weights[shadows[0].dtype] if average else self._weight
+            weight = self._weight.view(())  # a copied group's: unused
             if average:
+                weight = self._weights[shadows[0].dtype]
                 weight.copy_(self._weight)  # a double rounded to the shadow's dtype, as lerp_ rounds a Python float
-            weight = weight.view(())  # broadcasts to any shadow, a 0-dim one too
+                weight = weight.view(())  # broadcasts to any shadow, a 0-dim one too
             for shadow, value in zip(shadows, values, strict=True):
                 if flags is None:
                     shadow.lerp_(value, weight) if average else shadow.copy_(value)

@@ -30,7 +30,7 @@ Copy contract (the shadows themselves, copies and model checks: ``copy_correct.a
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from copy import deepcopy
 from typing import Any, ClassVar
@@ -208,7 +208,7 @@ class EMA(AverageAsModule, Shadows):
         if self._watch.stale():
             self._check_model(tracked)
         if self._clock is not None:
-            self._clocked(self._values(), step)
+            self._clocked(self._values, step)
             return
         if step is not None and step != self._step + 1:
             raise ValueError(
@@ -243,11 +243,13 @@ class EMA(AverageAsModule, Shadows):
             )
         if self._swap is not None:
             raise RuntimeError("EMA.update inside EMA.average_weights: update after the block ends")
-        self._clocked(traced_values(self._tracked(model), self._groups, "EMA"), step)
+        self._clocked(lambda: traced_values(self._tracked(model), self._groups, "EMA"), step)
 
-    def _clocked(self, values: list[list[torch.Tensor]] | None, step: int | None) -> None:
+    def _clocked(self, read: Callable[[], list[list[torch.Tensor]] | None], step: int | None) -> None:
+        """The update of a ``traceable`` EMA, of the values ``read`` gives (per group), after refusing ``step=``."""
         if step is not None:
             raise ValueError("EMA.update(step=...) with traceable=True would read the device's count: drop step=")
+        values = read()
         assert values is not None and self._clock is not None  # no FiniteCheck beside a clock
         with torch.no_grad():
             groups = [(group.shadows, lives, group.average) for group, lives in zip(self._groups, values, strict=True)]

@@ -39,6 +39,7 @@ import lightning.pytorch as pl
 import torch
 
 from copy_correct.averages.posthoc import load_snapshot, snapshot_paths
+from copy_correct.averages.posthoc_command import SHARD_FILE
 from copy_correct.averages.power_ema import PowerEMA, snapshot_name
 from copy_correct.averages.settings import defaults, power_ema_settings
 from copy_correct.averages.shadow import gathered
@@ -191,8 +192,8 @@ class PostHocEMASnapshots(AveragingCallback):
         return carried
 
     def _owned(self, directory: Path) -> list[Path]:
-        """The snapshot files in ``directory`` that this rank carries over and removes: its own at this world size,
-        and of another world size's ranks ``r`` those with ``r % world == rank`` (an unsharded model's: rank 0's)."""
+        """The snapshot files in ``directory`` that this rank carries over and removes: of any world size's rank ``r``,
+        those with ``r % world == rank`` (at this world size its own; an unsharded model's files: rank 0's)."""
         rank, world = 0, 1
         if self.power_ema is not None and self.power_ema.sharded:
             import torch.distributed as dist
@@ -200,8 +201,8 @@ class PostHocEMASnapshots(AveragingCallback):
             rank, world = dist.get_rank(), dist.get_world_size()
         owned = snapshot_paths(directory) if rank == 0 else []
         for path in sorted(directory.glob("power-ema-?????????-rank*of*.pt")):
-            of, within = (int(part) for part in path.name[:-3].split("-rank")[1].split("of"))
-            if (within == world and of == rank) or (within != world and of % world == rank):
+            match = SHARD_FILE.fullmatch(path.name)
+            if match is not None and int(match[2]) % world == rank:  # at this world size: its own
                 owned.append(path)
         return sorted(owned)
 

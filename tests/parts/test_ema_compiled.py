@@ -33,10 +33,10 @@ def _fresh_dynamo() -> None:
     torch._dynamo.reset()
 
 
-def network() -> nn.Module:
+def network(device: str | torch.device = "cpu") -> nn.Module:
     """A small network with a BatchNorm: floating buffers averaged, an integer one copied."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4)).to(device)
 
 
 def training(model: nn.Module, ema: EMA) -> Callable[[], None]:
@@ -54,12 +54,16 @@ def training(model: nn.Module, ema: EMA) -> Callable[[], None]:
 def backward(model: nn.Module, step: int) -> None:
     torch.manual_seed(100 + step)
     model.zero_grad(set_to_none=False)
-    model(torch.randn(32, 8)).square().mean().backward()
+    model(torch.randn(32, 8).to(next(model.parameters()).device)).square().mean().backward()
 
 
 @pytest.mark.parametrize("settings", SETTINGS.values(), ids=SETTINGS.keys())
-def test_the_update_compiles_once_into_the_step_and_is_the_host_counted_ema_bit_for_bit(settings: dict) -> None:
-    model = network()
+def test_the_update_compiles_once_into_the_step_and_is_the_host_counted_ema_bit_for_bit(
+    settings: dict, device: torch.device
+) -> None:
+    """On CUDA within float32 rounding: the host's ``foreach_lerp_`` there is a fused kernel of its own, and a CUDA
+    ``pow`` may differ from the host's in a double's last bit (``DecaySchedule.write_weight``)."""
+    model = network(device)
     ema, twin = EMA(model, traceable=True, **settings), EMA(model, **settings)
     backend = Counting()
     compiled = torch.compile(training(model, ema), fullgraph=True, backend=backend)  # a graph break raises
@@ -67,7 +71,11 @@ def test_the_update_compiles_once_into_the_step_and_is_the_host_counted_ema_bit_
         backward(model, step)
         compiled()
         twin.update(model)
-        assert same_or_close(ema.shadow, twin.shadow), step
+        if device.type == "cpu":
+            assert same_or_close(ema.shadow, twin.shadow), step
+        else:
+            close(ema.shadow, twin.shadow)
+            twin.load_state_dict(ema.state_dict())  # one update compared at a time
     assert backend.compiles == 1
     assert (ema.step, ema.num_updates) == (twin.step, twin.num_updates) == (40, twin.num_updates)
     if "update_every" not in settings:
@@ -89,6 +97,20 @@ def test_the_control_an_update_of_a_python_counter_and_decay_compiles_again_at_e
     for _ in range(6):
         compiled()
     assert backend.compiles > 1
+
+
+def test_without_fullgraph_an_ema_built_without_traceable_still_updates_eagerly_at_a_graph_break() -> None:
+    """What a compiled loop with the default ``EMA`` did before ``traceable`` existed still works: Dynamo stops its
+    graph at the update, which then runs eagerly with its checks, the average the eager one's bit for bit (torch 2.13
+    on; torch 2.10's Dynamo traces part of it, within float32 rounding)."""
+    model = network()
+    ema, twin = EMA(model), EMA(model)
+    compiled = torch.compile(training(model, ema), backend=Counting())
+    for step in range(5):
+        backward(model, step)
+        compiled()
+        twin.update(model)
+    assert ema.step == 5 and same_or_close(ema.shadow, twin.shadow)
 
 
 def test_an_ema_built_without_traceable_is_refused_inside_a_compiled_step_naming_it() -> None:

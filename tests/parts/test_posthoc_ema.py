@@ -644,3 +644,34 @@ def test_synthesize_reads_the_snapshots_memory_mapped_and_holds_about_one_model(
         combined = {k: v.float() for k, v in total.items()}
     assert control.peak_bytes >= 3 * one_model
     assert max_error(combined, synthesized) < 1e-6
+
+
+def test_snapshots_joined_from_ranks_shards_synthesize_as_the_full_snapshots_bit_for_bit() -> None:
+    """``copy-correct posthoc`` reads a sharded run's snapshots through ``joined_snapshot``, whose tensors are joined
+    anew at every read: six tensors of one shape, so a freed join's memory is the next one's, and ``synthesize``'s
+    check for tied names (by storage) would take one tensor's result for another's if it let the joins go (measured: it
+    did, before it kept them). The control: one rank's shards alone are refused, not taken for the model."""
+    from copy_correct.averages.posthoc_command import joined_snapshot
+
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(4, 4, bias=False) for _ in range(6)])
+    power_ema = PowerEMA(net)
+    full, joined = [], []
+    for _ in range(3):
+        with torch.no_grad():
+            for p in net.parameters():
+                p.add_(torch.randn_like(p))
+        power_ema.update()
+        state = power_ema.snapshot()
+        spread = dict.fromkeys(state["profiles"][0], "Shard(dim=0) over a mesh of 2 ranks")
+        ranks = [
+            state | {"rank": r, "world_size": 2, "layout": spread,
+                     "profiles": [{n: t.chunk(2)[r].clone() for n, t in p.items()} for p in state["profiles"]]}
+            for r in range(2)
+        ]  # fmt: skip
+        full.append(state)
+        joined.append(joined_snapshot(ranks))
+    expected, result = synthesize(full, 0.08), synthesize(joined, 0.08)
+    assert result.keys() == expected.keys() and all(torch.equal(result[n], expected[n]) for n in expected)
+    with pytest.raises(ValueError, match=r"only Shard\(dim=D\) over one mesh of all ranks is joined"):
+        synthesize([joined_snapshot([ranks[0]])], 0.08)  # the control
